@@ -1,0 +1,127 @@
+"""Model geometry read from an HF `config.json` alone (no weights, no transformers import), so the
+planner can size a deployment before anything is downloaded or loaded. Handles dense and hybrid
+configs: only full-attention layers hold a KV cache."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "bf16": 2, "fp16": 2, "fp32": 4}
+
+
+class ConfigError(ValueError):
+    """A config.json that is missing, unreadable or lacks a field the engine needs."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    tie_word_embeddings: bool
+    torch_dtype: str
+    attention_bias: bool
+    full_attention_layers: tuple[int, ...]
+    raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(self.full_attention_layers)
+
+    @property
+    def gqa_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def num_params(self) -> int:
+        """Parameter count from the geometry (embeddings, attention, MLP, norms, lm_head)."""
+        h, v, i = self.hidden_size, self.vocab_size, self.intermediate_size
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h
+        if self.attention_bias:
+            attn += q + 2 * kv
+        if self.model_type == "qwen3":
+            attn += 2 * self.head_dim  # q_norm, k_norm
+        per_layer = attn + 3 * h * i + 2 * h
+        emb = v * h
+        return emb + self.num_layers * per_layer + h + (0 if self.tie_word_embeddings else emb)
+
+    def weight_bytes(self, dtype: str | None = None) -> int:
+        name = dtype or self.torch_dtype
+        if name not in _DTYPE_BYTES:
+            raise ConfigError(f"unknown weights dtype {name!r}; choose one of bf16, fp16, fp32")
+        return self.num_params() * _DTYPE_BYTES[name]
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        def need(key: str) -> Any:
+            if key not in cfg:
+                raise ConfigError(f"config.json lacks required field {key!r}")
+            return cfg[key]
+
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                       "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}.get(cfg.get("model_type", ""), "")
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        layers = int(need("num_hidden_layers"))
+        if heads % kv_heads:
+            raise ConfigError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        layer_types = cfg.get("layer_types")
+        interval = cfg.get("full_attention_interval")
+        if layer_types:
+            full = tuple(i for i, t in enumerate(layer_types) if t == "full_attention")
+        elif interval:
+            full = tuple(i for i in range(layers) if (i + 1) % int(interval) == 0)
+        else:
+            full = tuple(range(layers))
+        rope_scaling = cfg.get("rope_scaling") or None
+        rope_params = cfg.get("rope_parameters") or None
+        theta = cfg.get("rope_theta")
+        if rope_params:
+            theta = theta or rope_params.get("rope_theta")
+            if rope_params.get("rope_type", "default") != "default" and not rope_scaling:
+                rope_scaling = dict(rope_params)
+        model_type = cfg.get("model_type", "")
+        return cls(
+            architecture=arch, model_type=model_type, vocab_size=int(need("vocab_size")), hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")), num_layers=layers, num_heads=heads,
+            num_kv_heads=kv_heads, head_dim=head_dim,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(theta or 10000.0),
+            rope_scaling=rope_scaling, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            full_attention_layers=full, raw=cfg,
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelConfig":
+        """`path` is a model directory or a config.json file."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.is_file():
+            raise ConfigError(f"no config.json at {p}")
+        try:
+            cfg = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p} is not valid JSON: {e}") from e
+        if "text_config" in cfg and "hidden_size" not in cfg:
+            cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
+        return cls.from_dict(cfg)
