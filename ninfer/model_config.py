@@ -122,6 +122,10 @@ class ModelConfig:
             cfg = json.loads(p.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{p} is not valid JSON: {e}") from e
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{p} is not a JSON object")
         if "text_config" in cfg and "hidden_size" not in cfg:
-            cfg = {**cfg["text_config"], "architectures": cfg.get("architectures")}
+            # Multimodal wrappers keep the dtype (and sometimes tying) at the top level only.
+            outer = {k: cfg[k] for k in ("torch_dtype", "dtype", "tie_word_embeddings") if k in cfg}
+            cfg = {**outer, **cfg["text_config"], "architectures": cfg.get("architectures")}
         return cls.from_dict(cfg)

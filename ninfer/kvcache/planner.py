@@ -1,0 +1,372 @@
+"""Memory reservation arithmetic (DESIGN §3): decide, before anything big is allocated, how many KV
+pages the device holds, and refuse a context that cannot fit with the numbers instead of running
+out of memory later.
+
+Public API
+----------
+* `plan_memory(model, *, kv_dtype, total_bytes, free_bytes, max_context=None, kv_capacity="auto",
+  max_num_seqs=64, max_num_batched_tokens=8192, weights_dtype="auto", device_type="cuda",
+  enforce_eager=False, headroom_bytes=None, weights_bytes=None, weights_resident=False) -> MemoryPlan`
+* `plan_for_engine(model, cfg: EngineConfig, mem: DeviceMemory, device_type, ...) -> MemoryPlan`
+* `MemoryPlan` (frozen): every term in bytes, `num_pages`, `capacity_tokens`, `bytes_per_token`,
+  derived `runtime_bytes`, `free_after_weights`, `free_after_startup`, `slack_bytes`,
+  `largest_context`; `capacity_line()`, `summary_lines()`, `with_observed(...)`, `as_dict()`.
+* `ContextDoesNotFit(ValueError)`: `.needed_bytes`, `.available_bytes`, `.largest_context`.
+* `device_memory(device, memory_limit_gib=None) -> DeviceMemory(total, free)`.
+* `kv_bytes_per_token(model, kv_dtype, model_dtype)`, `canonical_kv_dtype(name)`,
+  `resolve_weights_dtype(name, model)`, `activation_workspace(...)`, `cuda_graph_batch_sizes(n)`,
+  `default_headroom(total)`, `format_bytes(n)`.
+
+Terms (all bytes; "context pages" = ceil(max_context / PAGE_SIZE)):
+  weights       model.weight_bytes(dtype), or the exact size the loader reports
+  kv            num_pages * PAGE_SIZE * bytes_per_token; bytes_per_token =
+                format.bytes_per_token_head(D) * num_kv_heads * full-attention layers
+  page_tables   max_num_seqs * context pages * 4 (int32 block table, one row per running sequence)
+  rope_tables   max_context * D * 4 (cos and sin, fp32, D/2 each, per position)
+  workspace     activations of the largest prefill chunk (see `activation_workspace`)
+  graphs        decode CUDA-graph pool + its static block table (0 when eager or on CPU; `_graph_pool_bytes`)
+  headroom      kept free for the allocator's fragmentation and library handles (1 GiB, or a tenth
+                of a small device)
+runtime = kv + page_tables + rope_tables + workspace + graphs; a plan fits when
+weights + runtime + headroom <= free. Everything but kv, page_tables and rope_tables is independent
+of the context, so the largest context that fits has a closed form (see `plan_memory`).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, replace
+from typing import Any, NamedTuple
+
+from ninfer.config import PAGE_SIZE
+from ninfer.model_config import ModelConfig
+
+GiB = 1 << 30
+MiB = 1 << 20
+DEFAULT_HEADROOM_BYTES = GiB          # the seed engine's automatic headroom
+GRAPH_BYTES_PER_CAPTURE = 4 * MiB     # per captured batch size: graph exec + static I/O buffers
+DECODE_MAX_SPLITS = 64                # split-KV partitions the decode kernel may use per sequence
+BLOCK_TABLE_ENTRY_BYTES = 4           # int32 page ids
+_DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
+_DTYPE_CANON = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+class ContextDoesNotFit(ValueError):
+    """The requested context (or capacity) cannot be reserved on this device with this kv-dtype."""
+
+    def __init__(self, message: str, *, needed_bytes: int, available_bytes: int, largest_context: int,
+                 kv_dtype: str, max_context: int) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes
+        self.largest_context = largest_context
+        self.kv_dtype = kv_dtype
+        self.max_context = max_context
+
+
+class DeviceMemory(NamedTuple):
+    total: int
+    free: int
+
+
+def format_bytes(n: int | float) -> str:
+    """Two decimals, GiB from 1 GiB up, MiB below (the seed engine's startup-line convention)."""
+    sign = "-" if n < 0 else ""
+    a = abs(n)
+    return f"{sign}{a / GiB:.2f} GiB" if a >= GiB else f"{sign}{a / MiB:.2f} MiB"
+
+
+def resolve_weights_dtype(name: str | None, model: ModelConfig) -> str:
+    """'auto' -> the config's torch_dtype; any spelling -> bf16 | fp16 | fp32."""
+    name = model.torch_dtype if name in ("auto", None) else name
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"unknown weights dtype {name!r}; choose one of auto, bf16, fp16, fp32")
+    return _DTYPE_CANON.get(name, name)
+
+
+def _torch_dtype(name: str):
+    import torch
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def canonical_kv_dtype(kv_dtype: str) -> str:
+    """The registry's name for kv_dtype; ValueError for unknown or refused names."""
+    from ninfer.kvcache.formats import get_format  # lazy: the registry imports torch
+    return get_format(kv_dtype).name
+
+
+def kv_bytes_per_token(model: ModelConfig, kv_dtype: str, model_dtype: str = "bf16") -> int:
+    """KV payload per token over all full-attention layers and KV heads, scales included."""
+    from ninfer.kvcache.formats import get_format
+    fmt = get_format(kv_dtype)
+    per_head = int(fmt.bytes_per_token_head(model.head_dim, _torch_dtype(model_dtype)))
+    return per_head * model.num_kv_heads * model.num_kv_layers
+
+
+def activation_workspace(model: ModelConfig, tokens: int, act_bytes: int, max_num_seqs: int) -> dict[str, int]:
+    """Peak transient memory of one forward step over `tokens` new tokens, by named buffer.
+
+    With T tokens, H hidden, I intermediate, Hq/Hkv heads of size D, a = activation bytes:
+      hidden     2*T*H*a                       residual stream + normed input, live across layers
+      attention  T*((Hq+2Hkv)*D + (Hq+Hkv)*D + Hq*D + H)*a
+                                               qkv projection, q/k after norm+RoPE, attention
+                                               output, o_proj output
+      mlp        T*(3*I + H)*a                 gate_up (2I), act(gate)*up (I), down output
+      kv_store   4*T*Hkv*D*4                   fp32 K and V staged for quantization, plus their
+                                               rotated copies
+      decode     S*Hq*DECODE_MAX_SPLITS*(D+1)*4 split-KV partial outputs + log-sum-exp, S = seqs
+      logits     6*S*V*4                       fp32 logits of the sampled rows and the sampler's
+                                               copies: penalised logits, probabilities, sorted
+                                               values, int64 sort indices (2 units), cumsum
+    Attention and MLP stages of a layer never overlap, so the peak takes the larger of the two;
+    the others are added. Prefill attention itself is tiled (flash-style) and needs no T x ctx
+    buffer on the GPU path; the CPU reference path is not what this arithmetic measures.
+    """
+    T, H, I, D = tokens, model.hidden_size, model.intermediate_size, model.head_dim
+    hq, hkv, S = model.num_heads, model.num_kv_heads, max_num_seqs
+    attn = T * ((hq + 2 * hkv) * D + (hq + hkv) * D + hq * D + H) * act_bytes
+    mlp = T * (3 * I + H) * act_bytes
+    return {
+        "hidden": 2 * T * H * act_bytes,
+        "layer": max(attn, mlp),
+        "kv_store": 4 * T * hkv * D * 4,
+        "decode": S * hq * DECODE_MAX_SPLITS * (D + 1) * 4,
+        "logits": 6 * S * model.vocab_size * 4,
+    }
+
+
+def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes captured as CUDA graphs: 1, 2, 4, 8, then every 16, and max_num_seqs."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+def _graph_pool_bytes(model: ModelConfig, act_bytes: int, max_num_seqs: int) -> int:
+    """Decode graphs share one private pool sized by the largest batch: its activations (the
+    workspace formula with T = S, without logits, which are computed outside the graph) plus a fixed
+    allowance per captured size. The graphs' static block table is added per context page."""
+    w = activation_workspace(model, max_num_seqs, act_bytes, max_num_seqs)
+    pool = w["hidden"] + w["layer"] + w["kv_store"] + w["decode"]
+    return pool + len(cuda_graph_batch_sizes(max_num_seqs)) * GRAPH_BYTES_PER_CAPTURE
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    kv_dtype: str
+    capacity_mode: str            # "auto" | "explicit"
+    device_type: str              # "cuda" | "cpu"
+    max_context: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    weights_dtype: str
+    page_size: int
+    num_kv_layers: int
+    num_kv_heads: int
+    head_dim: int
+    bytes_per_token: int          # KV payload per token, all KV layers and heads
+    page_bytes: int               # bytes_per_token * page_size
+    num_pages: int
+    capacity_tokens: int          # num_pages * page_size
+    total_bytes: int              # device total (or --memory-limit)
+    free_bytes: int               # free before weights
+    weights_bytes: int
+    kv_bytes: int
+    page_table_bytes: int
+    rope_table_bytes: int
+    workspace_bytes: int
+    graph_bytes: int              # planned CUDA-graph pool
+    headroom_bytes: int
+    largest_context: int          # largest max_context that fits with this kv_dtype (pool = one context)
+    graph_bytes_observed: int | None = None
+    free_after_startup_observed: int | None = None
+
+    @property
+    def runtime_bytes(self) -> int:
+        return self.kv_bytes + self.page_table_bytes + self.rope_table_bytes + self.workspace_bytes + self.graph_bytes
+
+    @property
+    def free_after_weights(self) -> int:
+        return self.free_bytes - self.weights_bytes
+
+    @property
+    def free_after_startup(self) -> int:
+        if self.free_after_startup_observed is not None:
+            return self.free_after_startup_observed
+        return self.free_after_weights - self.runtime_bytes
+
+    @property
+    def slack_bytes(self) -> int:
+        return self.free_after_startup - self.headroom_bytes
+
+    @property
+    def max_concurrency_at_max_context(self) -> float:
+        return self.capacity_tokens / self.max_context
+
+    def with_observed(self, *, graph_bytes: int | None = None, free_after_startup: int | None = None) -> "MemoryPlan":
+        """The same plan with what the engine measured after startup (graph pool, device free)."""
+        return replace(self, graph_bytes_observed=graph_bytes, free_after_startup_observed=free_after_startup)
+
+    def capacity_line(self) -> str:
+        observed = "-" if self.graph_bytes_observed is None else format_bytes(self.graph_bytes_observed)
+        return (f"KV capacity {self.capacity_mode} resolved={self.capacity_tokens} tokens pages={self.num_pages} "
+                f"bytes/token={self.bytes_per_token} runtime={format_bytes(self.runtime_bytes)} "
+                f"free-after-weights={format_bytes(self.free_after_weights)} "
+                f"free-after-startup={format_bytes(self.free_after_startup)} "
+                f"headroom={format_bytes(self.headroom_bytes)} slack={format_bytes(self.slack_bytes)} "
+                f"graphs={observed}/{format_bytes(self.graph_bytes)}")
+
+    def summary_lines(self) -> list[str]:
+        """The facts vLLM users look for, plus every reserved term."""
+        return [
+            f"Available KV cache memory: {format_bytes(self.kv_bytes)} (kv_dtype={self.kv_dtype}, "
+            f"{self.bytes_per_token} B/token)",
+            f"KV cache size: {self.capacity_tokens} tokens",
+            f"Maximum concurrency for {self.max_context} tokens per request: "
+            f"{self.max_concurrency_at_max_context:.2f}x",
+            "memory plan: " + " ".join(f"{k}={format_bytes(v)}" for k, v in self.terms().items()),
+        ]
+
+    def terms(self) -> dict[str, int]:
+        return {"weights": self.weights_bytes, "kv": self.kv_bytes, "page_tables": self.page_table_bytes,
+                "rope_tables": self.rope_table_bytes, "workspace": self.workspace_bytes,
+                "graphs": self.graph_bytes, "headroom": self.headroom_bytes}
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(runtime_bytes=self.runtime_bytes, free_after_weights=self.free_after_weights,
+                 free_after_startup=self.free_after_startup, slack_bytes=self.slack_bytes,
+                 capacity_line=self.capacity_line())
+        return d
+
+
+def default_headroom(total_bytes: int) -> int:
+    # 1 GiB on a real card; a tenth of a small (emulated or CPU-limited) device so tiny models still plan.
+    return min(DEFAULT_HEADROOM_BYTES, total_bytes // 10)
+
+
+def plan_memory(model: ModelConfig, *, kv_dtype: str, total_bytes: int, free_bytes: int,
+                max_context: int | None = None, kv_capacity: int | str = "auto", max_num_seqs: int = 64,
+                max_num_batched_tokens: int = 8192, weights_dtype: str = "auto", device_type: str = "cuda",
+                enforce_eager: bool = False, headroom_bytes: int | None = None,
+                weights_bytes: int | None = None, weights_resident: bool = False) -> MemoryPlan:
+    """Resolve the KV pool for one kv-dtype. `free_bytes` is measured before the weights are loaded,
+    unless `weights_resident` (then it is the free memory with the weights already in place).
+    Raises ContextDoesNotFit when even one max_context sequence (or the explicit capacity) does not
+    fit, ValueError for inconsistent knobs."""
+    max_context = int(model.max_position_embeddings if max_context is None else max_context)
+    for name, v in (("max_context", max_context), ("max_num_seqs", max_num_seqs),
+                    ("max_num_batched_tokens", max_num_batched_tokens)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if device_type not in ("cuda", "cpu"):
+        raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
+    wdtype = resolve_weights_dtype(weights_dtype, model)
+    kv_dtype = canonical_kv_dtype(kv_dtype)
+    act = _DTYPE_BYTES[wdtype]
+    bpt = kv_bytes_per_token(model, kv_dtype, wdtype)
+    page_bytes = bpt * PAGE_SIZE
+    ctx_pages = math.ceil(max_context / PAGE_SIZE)
+    w_bytes = int(model.weight_bytes(wdtype) if weights_bytes is None else weights_bytes)
+    if weights_resident:
+        free_bytes += w_bytes
+    headroom = default_headroom(total_bytes) if headroom_bytes is None else int(headroom_bytes)
+    workspace = sum(activation_workspace(model, max_num_batched_tokens, act, max_num_seqs).values())
+    use_graphs = not enforce_eager and device_type == "cuda"
+    graph_pool = _graph_pool_bytes(model, act, max_num_seqs) if use_graphs else 0
+    # Per context page: page-table entries of every running sequence (a second, static copy for the
+    # graphs) and the rope rows it needs. Everything else is independent of the context.
+    table_copies = 2 if use_graphs else 1
+    per_ctx_page = table_copies * max_num_seqs * BLOCK_TABLE_ENTRY_BYTES + PAGE_SIZE * model.head_dim * 4
+    fixed = w_bytes + workspace + graph_pool + headroom
+    # Largest context L (pages) with a pool of exactly L pages: fixed + L*(page + per_ctx_page) <= free.
+    largest = max(0, (free_bytes - fixed) // (page_bytes + per_ctx_page)) * PAGE_SIZE
+    page_tables = max_num_seqs * ctx_pages * BLOCK_TABLE_ENTRY_BYTES
+    graph_tables = page_tables if use_graphs else 0
+    graphs = graph_pool + graph_tables
+    rope = max_context * model.head_dim * 4
+    kv_room = free_bytes - fixed - graph_tables - page_tables - rope  # what is left for KV pages
+
+    if str(kv_capacity).strip().lower() == "auto":
+        mode = "auto"
+        # No point holding more than every running sequence at full length.
+        pages = min(max(kv_room, 0) // page_bytes, max_num_seqs * ctx_pages)
+        min_pages = ctx_pages
+    else:
+        mode = "explicit"
+        cap = int(kv_capacity)
+        if cap < max_context:
+            raise ValueError(f"kv_capacity={cap} tokens is smaller than max_context={max_context}: one "
+                             f"full-length request could never run; raise --kv-capacity or lower --max-context")
+        pages = min_pages = math.ceil(cap / PAGE_SIZE)
+    if kv_room < min_pages * page_bytes:
+        needed = fixed + graph_tables + page_tables + rope + min_pages * page_bytes
+        what = (f"max_context={max_context}" if mode == "auto"
+                else f"kv_capacity={min_pages * PAGE_SIZE} tokens (max_context={max_context})")
+        raise ContextDoesNotFit(
+            f"{what} does not fit with kv_dtype={kv_dtype} ({bpt} B/token): it needs {needed} bytes "
+            f"({format_bytes(needed)}: weights {format_bytes(w_bytes)} + KV {format_bytes(min_pages * page_bytes)} + "
+            f"page tables {format_bytes(page_tables)} + rope tables {format_bytes(rope)} + workspace "
+            f"{format_bytes(workspace)} + graphs {format_bytes(graphs)} + headroom {format_bytes(headroom)}) "
+            f"but only {free_bytes} bytes ({format_bytes(free_bytes)}) are available; the largest context that "
+            f"fits with {kv_dtype} is {largest} tokens"
+            + (f" (weights, workspace, graphs and headroom alone need {fixed} bytes)" if largest == 0 else ""),
+            needed_bytes=needed, available_bytes=free_bytes, largest_context=largest,
+            kv_dtype=kv_dtype, max_context=max_context)
+    return MemoryPlan(
+        kv_dtype=kv_dtype, capacity_mode=mode, device_type=device_type, max_context=max_context,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, weights_dtype=wdtype,
+        page_size=PAGE_SIZE, num_kv_layers=model.num_kv_layers, num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim, bytes_per_token=bpt, page_bytes=page_bytes, num_pages=int(pages),
+        capacity_tokens=int(pages) * PAGE_SIZE, total_bytes=total_bytes, free_bytes=free_bytes,
+        weights_bytes=w_bytes, kv_bytes=int(pages) * page_bytes, page_table_bytes=page_tables,
+        rope_table_bytes=rope, workspace_bytes=workspace, graph_bytes=graphs, headroom_bytes=headroom,
+        largest_context=int(largest))
+
+
+def plan_for_engine(model: ModelConfig, cfg: Any, mem: DeviceMemory, device_type: str, *,
+                    max_context: int | None = None, weights_bytes: int | None = None,
+                    weights_resident: bool = False) -> MemoryPlan:
+    """`plan_memory` with the knobs of an EngineConfig (`max_context` overrides cfg's, e.g. after
+    the engine resolved rope scaling)."""
+    return plan_memory(
+        model, kv_dtype=cfg.kv_dtype, total_bytes=mem.total, free_bytes=mem.free,
+        max_context=max_context if max_context is not None else cfg.max_context,
+        kv_capacity=cfg.kv_capacity, max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens, weights_dtype=cfg.dtype, device_type=device_type,
+        enforce_eager=cfg.enforce_eager, weights_bytes=weights_bytes, weights_resident=weights_resident)
+
+
+def _cpu_memory() -> DeviceMemory:
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = page * os.sysconf("SC_PHYS_PAGES")
+    free = page * os.sysconf("SC_AVPHYS_PAGES")
+    try:  # MemAvailable counts reclaimable page cache; SC_AVPHYS_PAGES does not.
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    free = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    return DeviceMemory(total, free)
+
+
+def device_memory(device: Any, memory_limit_gib: float | None = None) -> DeviceMemory:
+    """Total and free bytes of `device` ("cpu", "cuda", "cuda:N" or a torch.device). With a limit,
+    the device is treated as that large (at most its real size): on CUDA what is already in use
+    still counts against it, so the limit emulates a smaller card of the same kind."""
+    import torch
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, total = torch.cuda.mem_get_info(dev)
+        if memory_limit_gib is None:
+            return DeviceMemory(int(total), int(free))
+        limit = min(int(memory_limit_gib * GiB), int(total))  # never plan beyond the real card
+        return DeviceMemory(limit, max(0, min(int(free), limit - (int(total) - int(free)))))
+    if dev.type != "cpu":
+        raise ValueError(f"unsupported device {device!r}: use cpu or cuda[:N]")
+    mem = _cpu_memory()
+    if memory_limit_gib is None:
+        return mem
+    limit = min(int(memory_limit_gib * GiB), mem.total)
+    return DeviceMemory(limit, min(mem.free, limit))

@@ -1,0 +1,181 @@
+"""Load an HF checkpoint directory (config.json + one or sharded *.safetensors) into our decoder,
+and its tokenizer. Every failure names the file and the tensor: a missing shard, a truncated or
+unreadable file, a missing tensor, a shape that does not fit the config."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from ninfer.model_config import ModelConfig
+from ninfer.models.decoder import CausalLM
+from ninfer.models.registry import get_arch_spec
+from ninfer.models.rope import apply_rope_overrides
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
+INDEX_NAME = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory whose weights cannot be loaded as the config describes."""
+
+
+def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
+    """'auto' = the config's torch_dtype; else bf16/fp16/fp32 (or a torch.dtype)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = cfg.torch_dtype if dtype == "auto" else dtype
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, bf16, fp16 or fp32")
+    return _DTYPES[name]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def checkpoint_files(model_dir: Path) -> tuple[list[Path], dict[str, Path] | None]:
+    """The weight files, and the index's tensor -> file map when the checkpoint is sharded."""
+    index_path = model_dir / INDEX_NAME
+    if index_path.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path}: not a valid safetensors index ({e})") from e
+        by_tensor = {name: model_dir / fname for name, fname in weight_map.items()}
+        files = sorted(set(by_tensor.values()))
+        for f in files:
+            if not f.is_file():
+                users = sorted(n for n, p in by_tensor.items() if p == f)
+                raise CheckpointError(f"{index_path} points at {f.name}, which does not exist in {model_dir} "
+                                      f"({len(users)} tensors, e.g. {users[0]})")
+        return files, by_tensor
+    single = model_dir / "model.safetensors"
+    files = [single] if single.is_file() else sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {model_dir}")
+    return files, None
+
+
+def _open(path: Path) -> Any:
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
+        raise CheckpointError(f"cannot read {path}: {e} (truncated or corrupt safetensors file?)") from e
+
+
+def load_weights(model: CausalLM, model_dir: Path, *, progress: bool = True) -> None:
+    """Copy every checkpoint tensor into its parameter (rows of a merged linear), checking shapes,
+    and fail if any parameter stayed unfilled."""
+    files, index = checkpoint_files(model_dir)
+    cmap = model.checkpoint_map()
+    params = dict(model.named_parameters())
+    loaded: dict[str, Path] = {}
+    ignored: list[str] = []
+    bar = tqdm(total=len(cmap), desc=f"Loading {model_dir.name}", unit="tensor", disable=not progress, leave=False)
+    try:
+        for path in files:
+            with _open(path) as f:
+                names = set(f.keys())
+                if index is not None:
+                    absent = sorted(n for n, p in index.items() if p == path and n not in names)
+                    if absent:
+                        raise CheckpointError(f"{path}: lacks tensor {absent[0]} which {INDEX_NAME} places there"
+                                              + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""))
+                for name in sorted(names):
+                    if name not in cmap:
+                        ignored.append(name)
+                        continue
+                    if name in loaded:
+                        raise CheckpointError(f"tensor {name} appears in both {loaded[name]} and {path}")
+                    pname, start, rows = cmap[name]
+                    param = params[pname]
+                    expected = tuple(param.shape) if rows is None else (rows, *param.shape[1:])
+                    try:
+                        shape = tuple(f.get_slice(name).get_shape())
+                        if shape != expected:
+                            raise CheckpointError(
+                                f"{path}: tensor {name} has shape {list(shape)}, but the config "
+                                f"({model.config.architecture}) needs {list(expected)}")
+                        tensor = f.get_tensor(name)
+                    except CheckpointError:
+                        raise
+                    except Exception as e:
+                        raise CheckpointError(f"{path}: cannot read tensor {name}: {e} "
+                                              "(truncated or corrupt safetensors file?)") from e
+                    with torch.no_grad():
+                        target = param if rows is None else param[start:start + rows]
+                        target.copy_(tensor)
+                    loaded[name] = path
+                    bar.update(1)
+    finally:
+        bar.close()
+    missing = [n for n in cmap if n not in loaded]
+    if missing:
+        where = ", ".join(p.name for p in files)
+        raise CheckpointError(f"{model_dir}: missing tensor {missing[0]}" +
+                              (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") +
+                              f"; looked in {where}")
+    # a tied checkpoint may still carry lm_head.weight; HF keeps rotary buffers in old checkpoints
+    unexpected = [n for n in ignored if not (n == "lm_head.weight" and model.config.tie_word_embeddings)
+                  and not n.endswith("rotary_emb.inv_freq")]
+    if unexpected:
+        log.warning("%s: ignored %d checkpoint tensors the model does not use, e.g. %s",
+                    model_dir, len(unexpected), unexpected[:3])
+
+
+_ROPE_KEYS = ("rope_yarn_factor", "rope_original_max_position")
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+               rope_overrides: Mapping[str, Any] | Any | None = None, *, progress: bool = True) -> CausalLM:
+    """Build the architecture named by config.json and fill it from the safetensors files.
+
+    rope_overrides: `{"rope_yarn_factor": F, "rope_original_max_position": N}` or any object with
+    those attributes (an EngineConfig); None values are ignored. They turn on static YaRN;
+    `model.config` then carries the new rope_scaling and `model.max_position` the scaled length."""
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.load(model_dir)
+    if rope_overrides is None or isinstance(rope_overrides, Mapping):
+        ro = dict(rope_overrides or {})
+        unknown = set(ro) - set(_ROPE_KEYS)
+        if unknown:
+            raise ValueError(f"unknown rope override(s) {sorted(unknown)}; known: {', '.join(_ROPE_KEYS)}")
+    else:
+        ro = {k: getattr(rope_overrides, k, None) for k in _ROPE_KEYS}
+    cfg = apply_rope_overrides(cfg, ro.get("rope_yarn_factor"), ro.get("rope_original_max_position"))
+    spec = get_arch_spec(cfg.architecture)
+    torch_dtype = resolve_dtype(dtype, cfg)
+    dev = resolve_device(device)
+    checkpoint_files(model_dir)  # fail on a broken directory before allocating anything
+    # Build on the meta device (no random init of big matrices), then allocate for real.
+    with torch.device("meta"):
+        model = CausalLM(cfg, spec)
+    model = model.to(dtype=torch_dtype).to_empty(device=dev)
+    if cfg.tie_word_embeddings:  # to_empty gives each module its own new tensor; share again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    load_weights(model, model_dir, progress=progress)
+    model.eval().requires_grad_(False)
+    log.info("%s", model.describe())
+    return model
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """The checkpoint's HF tokenizer (with its chat template), from local files only."""
+    from transformers import AutoTokenizer
+
+    model_dir = Path(model_dir)
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:
+        raise CheckpointError(f"cannot load a tokenizer from {model_dir}: {e}") from e

@@ -1,0 +1,57 @@
+"""CLI table and engine-flag parsing: vLLM aliases map to the same fields, token counts parse as
+vLLM reads them, and unknown commands fail with exit code 2."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from ninfer import cli
+from ninfer.config import EngineConfig, add_engine_args, engine_config_from_args, parse_token_count
+
+
+@pytest.mark.parametrize("text,expected", [("4096", 4096), ("32k", 32000), ("32K", 32768),
+                                           ("1m", 1_000_000), ("1M", 1 << 20), ("1.5k", 1500)])
+def test_parse_token_count(text, expected):
+    assert parse_token_count(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "abc", "-5", "0", "12q"])
+def test_parse_token_count_rejects(bad):
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_token_count(bad)
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return engine_config_from_args(p.parse_args(argv))
+
+
+def test_vllm_aliases_equal_native_flags():
+    native = _parse(["m", "--kv-dtype", "int8", "--max-context", "32K", "--no-cuda-graph",
+                     "--no-prefix-reuse", "--max-concurrency", "3"])
+    alias = _parse(["m", "--kv-cache-dtype", "int8", "--max-model-len", "32768", "--enforce-eager",
+                    "--no-enable-prefix-caching", "--max-num-seqs", "3"])
+    assert native == alias
+    assert native.kv_dtype == "int8" and native.max_context == 32768 and native.enforce_eager
+    assert not native.enable_prefix_caching and native.max_num_seqs == 3
+
+
+def test_defaults():
+    cfg = _parse([])
+    assert cfg == EngineConfig()
+    assert cfg.kv_dtype == "rk4v4-e8" and cfg.kv_capacity == "auto" and cfg.enable_prefix_caching
+
+
+def test_kv_capacity_and_memory_limit():
+    cfg = _parse(["--kv-capacity", "128k", "--memory-limit", "32"])
+    assert cfg.kv_capacity == 128000 and cfg.memory_limit_gib == 32.0
+    with pytest.raises(SystemExit):
+        _parse(["--memory-limit", "-1"])
+
+
+def test_unknown_command_exit_code(capsys):
+    assert cli.main(["no-such-command"]) == 2
+    assert "unknown command" in capsys.readouterr().err
+    assert cli.main(["bench", "no-such-bench"]) == 2
