@@ -1,0 +1,73 @@
+"""Incremental detokenization and stop-string matching for one request.
+
+Decoding token by token is wrong for byte-level BPE (a character can span tokens) and for
+tokenizers that add a leading space, so each step decodes a short window of tokens twice
+(from `prefix_offset` to `read_offset`, and to the end) and emits the difference once it no
+longer ends in an incomplete character (U+FFFD). Stop strings are searched only in the tail that
+the new text can have completed; text that could still turn into a stop string is held back from
+`new_text` until it is clear (vLLM does the same), so a streamed client never sees a partial stop
+string that is later removed."""
+from __future__ import annotations
+
+from typing import Any
+
+_INITIAL_WINDOW = 5  # tokens of context before the first output token (enough for merges/spaces)
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], *, skip_special_tokens: bool = True,
+                 stop: list[str] | None = None, include_stop_str_in_output: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = list(stop or [])
+        self.include_stop = include_stop_str_in_output
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        # the token window starts with the prompt's last few tokens so that the first output token
+        # is decoded in context (leading-space handling of sentencepiece-like tokenizers)
+        self.tokens: list[int] = list(prompt_token_ids[-_INITIAL_WINDOW:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.tokens)
+        self.text = ""           # all output text so far (stop string removed once found)
+        self.emitted = 0         # chars of self.text already handed out as new_text
+        self.stop_reason: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Append one token; returns the stop string if this token completed one, else None.
+        `check_stop=False` (below min_tokens) decodes without matching stop strings."""
+        self.tokens.append(int(token_id))
+        prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        else:
+            delta = ""
+        if not delta or not check_stop:
+            self.text += delta
+            return None
+        start = max(0, len(self.text) - self.holdback)
+        self.text += delta
+        for s in self.stop:
+            idx = self.text.find(s, start)
+            if idx >= 0:
+                self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
+                self.stop_reason = s
+                return s
+        return None
+
+    def take_new_text(self, finished: bool) -> str:
+        """Text not yet handed out; while running, keeps back what might begin a stop string.
+        At the finish, bytes still waiting to complete a character are flushed (as U+FFFD, like a
+        full decode), unless a stop string ended the text."""
+        if finished and self.stop_reason is None and self.read_offset < len(self.tokens):
+            prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+            self.text += self._decode(self.tokens[self.prefix_offset:])[len(prefix):]
+            self.prefix_offset = self.read_offset = len(self.tokens)
+        end = len(self.text) if finished or not self.stop else max(self.emitted, len(self.text) - self.holdback)
+        out = self.text[self.emitted:end]
+        self.emitted = end
+        return out

@@ -1,0 +1,284 @@
+"""LLMEngine: the synchronous engine core (tokenizer, model, KV pool, scheduler, sampler).
+
+Startup order matters: config.json is read and the memory plan made (refusing a context that does
+not fit, with the numbers) before any weight or KV page is allocated; then the model is loaded, the
+pool allocated from the plan, its plane geometry asserted against the format entry and logged
+(DESIGN 2.2), and the capacity line logged (DESIGN 3). `startup_lines` keeps those lines for the
+CLI and the server. The engine is driven from one thread: add_request / abort_request / step."""
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ninfer.config import PAGE_SIZE, EngineConfig
+from ninfer.engine.detokenizer import IncrementalDetokenizer
+from ninfer.engine.model_runner import ModelRunner
+from ninfer.engine.request import Request, RequestOutput
+from ninfer.engine.sampling import SampleRow, SamplingParams, sample
+from ninfer.engine.scheduler import Scheduler
+from ninfer.kvcache.block_manager import BlockManager
+from ninfer.kvcache.formats import get_format
+from ninfer.kvcache.planner import MemoryPlan, device_memory, plan_for_engine
+from ninfer.kvcache.pool import KVCachePool
+from ninfer.model_config import ModelConfig
+from ninfer.models.loader import load_model, load_tokenizer, resolve_device, resolve_dtype
+from ninfer.models.rope import apply_rope_overrides, scaled_max_position
+
+log = logging.getLogger("ninfer.engine")
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float            # fraction of pages held by live requests
+    kv_capacity_tokens: int
+    num_total_pages: int
+    num_free_pages: int
+    prefix_cache_queries: int        # prompt tokens looked up (first admission of each request)
+    prefix_cache_hits: int           # of those, served from cached pages
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_preemptions: int
+    num_steps: int
+
+
+def default_model_dir() -> Path:
+    """The bundled probe model (ninfer.probe.default_model_dir when that exists)."""
+    try:
+        from ninfer.probe import default_model_dir as probe_dir  # type: ignore[attr-defined]
+        return Path(probe_dir())
+    except (ImportError, AttributeError):
+        return Path(__file__).resolve().parents[2] / "models" / "probe"
+
+
+def _eos_token_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except json.JSONDecodeError:
+            eos = None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    return frozenset(ids)
+
+
+def _make_backend(pool: KVCachePool, device: torch.device) -> Any:
+    # Triton only exists for CUDA; import lazily so CPU installs never touch it.
+    if device.type == "cuda":
+        from ninfer.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend(pool)
+    from ninfer.attention.reference import ReferenceAttentionBackend
+    return ReferenceAttentionBackend(pool)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, progress: bool = True) -> None:
+        self.config = config
+        self.model_dir = Path(config.model) if config.model else default_model_dir()
+        if not config.model and not (self.model_dir / "config.json").is_file():
+            raise ValueError(f"no model given and the bundled probe model is missing at {self.model_dir}; "
+                             "pass a model directory (an HF checkpoint with config.json)")
+        self.kv_format = get_format(config.kv_dtype)        # unknown / refused names fail first
+        mc = apply_rope_overrides(ModelConfig.load(self.model_dir), config.rope_yarn_factor,
+                                  config.rope_original_max_position)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, mc)
+        model_limit = scaled_max_position(mc)
+        self.max_context = int(config.max_context or model_limit)
+        if self.max_context > model_limit:
+            log.warning("max_context=%d exceeds the model's %d positions (rope scaling included); "
+                        "quality past %d tokens is not what the model was trained for",
+                        self.max_context, model_limit, model_limit)
+        # Plan before allocating anything big: ContextDoesNotFit carries the numbers.
+        mem = device_memory(self.device, config.memory_limit_gib)
+        plan_cfg = config.replace(dtype=_DTYPE_NAMES[self.dtype])
+        self.plan: MemoryPlan = plan_for_engine(mc, plan_cfg, mem, self.device.type, max_context=self.max_context)
+
+        rope = {"rope_yarn_factor": config.rope_yarn_factor,
+                "rope_original_max_position": config.rope_original_max_position}
+        self.model = load_model(self.model_dir, self.dtype, self.device, rope, progress=progress)
+        self.model_config: ModelConfig = self.model.config
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
+
+        self.pool = KVCachePool.from_plan(self.plan, self.device, self.dtype)
+        self.pool.assert_geometry()  # DESIGN 2.2: packed planes are checked, never assumed
+        self.kv_capacity_tokens = self.pool.capacity_tokens
+        self.backend = _make_backend(self.pool, self.device)
+        max_pages = -(-self.max_context // PAGE_SIZE)
+        self.runner = ModelRunner(self.model, self.backend, device=self.device, page_size=PAGE_SIZE,
+                                  max_pages_per_seq=max_pages)
+        graph_bytes = self._maybe_capture_graphs()
+        self.block_manager = BlockManager(self.plan.num_pages, PAGE_SIZE, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens)
+
+        free_after = None
+        if self.device.type == "cuda":
+            free_after = device_memory(self.device, config.memory_limit_gib).free
+        self.plan = self.plan.with_observed(graph_bytes=graph_bytes, free_after_startup=free_after)
+        self.startup_lines: list[str] = [self.model.describe(), *self.pool.geometry_lines(),
+                                         self.plan.capacity_line(),
+                                         f"engine: device={self.device} backend={self.backend.name} "
+                                         f"max_context={self.max_context} max_num_seqs={config.max_num_seqs} "
+                                         f"max_num_batched_tokens={config.max_num_batched_tokens} "
+                                         f"prefix_reuse={int(config.enable_prefix_caching)} "
+                                         f"cuda_graphs={int(self.runner.forward_fn != self.runner.eager_forward)}"]
+        for line in self.startup_lines:
+            log.info("%s", line)
+
+        self._seed_rng = random.Random(config.seed)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_steps = 0
+        # Test/bench hook: called with (requests that sample, their float32 logits [N, V]) each step.
+        self.logits_hook: Callable[[list[Request], torch.Tensor], None] | None = None
+
+    def _maybe_capture_graphs(self) -> int:
+        """Decode CUDA graphs (CUDA and not enforce_eager): `ninfer.engine.cuda_graphs.capture_decode_graphs
+        (runner, batch_sizes) -> pool bytes` replaces `runner.forward_fn`. Returns the observed bytes."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return 0
+        try:
+            from ninfer.engine.cuda_graphs import capture_decode_graphs
+        except ImportError as e:
+            log.warning("decode CUDA graphs unavailable (%s); running decode eagerly", e)
+            return 0
+        from ninfer.kvcache.planner import cuda_graph_batch_sizes
+        return int(capture_decode_graphs(self.runner, cuda_graph_batch_sizes(self.config.max_num_seqs)))
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        params = params if params is not None else SamplingParams()
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        room = self.max_context - len(ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens < 1 or len(ids) + max_tokens > self.max_context:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} "
+                             f"exceeds max_context={self.max_context}; shorten the prompt or lower max_tokens "
+                             f"(at most {max(room, 0)} here)")
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed if params.seed is not None else self._seed_rng.getrandbits(63))
+        detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                                       stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+        req = Request(request_id, ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
+                      generator=gen, detokenizer=detok, prompt=text)
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request (unknown or finished ids are ignored); its pages return at once."""
+        self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return []
+        self.num_steps += 1
+        try:
+            idx, logits = self.runner.execute(batch)
+        except ValueError as e:
+            # The KV formats refuse NaN/Inf K/V with ValueError: fail this batch's requests, keep serving.
+            return self._fail_batch(batch.requests, f"step failed: {e}")
+        self.scheduler.after_step(batch)
+        if logits is None:
+            return []
+        reqs = [batch.requests[i] for i in idx]
+        with torch.inference_mode():  # logits are inference tensors; a hook may edit them in place
+            if self.logits_hook is not None:
+                self.logits_hook(reqs, logits)
+            result = sample(logits, [self._sample_row(r) for r in reqs])
+        outputs: list[RequestOutput] = []
+        bad = set(result.bad_rows)
+        for j, req in enumerate(reqs):
+            if j in bad:
+                req.finish("error", error=f"non-finite logits (NaN/Inf) at position {req.num_tokens} of request "
+                                          f"{req.request_id}; the model or its KV cache produced garbage")
+                log.error("%s", req.error)
+            else:
+                if req.num_output_tokens == 0:
+                    self.prompt_tokens_total += req.num_prompt_tokens
+                self.generation_tokens_total += 1
+                req.append_token(result.token_ids[j], result.logprobs[j])
+                self._check_stop(req, result.token_ids[j])
+            outputs.append(req.make_output())
+            if req.is_finished:
+                self.scheduler.finish(req)
+        return outputs
+
+    def _fail_batch(self, reqs: list[Request], message: str) -> list[RequestOutput]:
+        log.error("%s (failing %d request(s): %s)", message, len(reqs), ", ".join(r.request_id for r in reqs))
+        outputs = []
+        for req in reqs:
+            req.finish("error", error=message)
+            outputs.append(req.make_output())
+            self.scheduler.finish(req)   # unpublished pages go back; published ones were computed earlier
+        return outputs
+
+    def _sample_row(self, req: Request) -> SampleRow:
+        p = req.params
+        banned: list[int] = []
+        if req.num_output_tokens < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(req.eos_token_ids))
+        return SampleRow(p, req.generator, req.prompt_token_ids, req.output_token_ids, banned)
+
+    def _check_stop(self, req: Request, tok: int) -> None:
+        p = req.params
+        past_min = req.num_output_tokens >= p.min_tokens
+        if past_min and not p.ignore_eos and tok in req.eos_token_ids:
+            req.finish("stop")   # the EOS id stays in token_ids; its text is not produced
+            return
+        if past_min and tok in p.stop_token_ids:
+            req.finish("stop", stop_reason=tok)
+            return
+        stop_str = req.detokenizer.add_token(tok, check_stop=past_min) if req.detokenizer else None
+        if stop_str is not None:
+            req.finish("stop", stop_reason=stop_str)
+        elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_context:
+            req.finish("length")
+
+    # -- introspection --------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=bm.usage, kv_capacity_tokens=self.kv_capacity_tokens,
+            num_total_pages=bm.num_pages, num_free_pages=bm.num_free_pages,
+            prefix_cache_queries=self.scheduler.prefix_queries, prefix_cache_hits=self.scheduler.prefix_hits,
+            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
+            num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer

@@ -1,0 +1,132 @@
+"""Scheduled batch -> model inputs -> logits of the rows that sample.
+
+The runner flattens the step's new tokens (varlen, as vLLM does), builds the attention metadata
+(slot mapping, cumulative query lengths, sequence lengths, page tables) on the host, moves it to
+the device once, runs the model through `self.forward_fn` and returns float32 logits only for
+sequences whose chunk reaches their last token (a partial prefill chunk samples nothing).
+
+CUDA-graph seam: a decode batch (every sequence has exactly one new token) is built with
+static shapes: `block_tables` always `[B, max_pages_per_seq]` (padded with -1) and
+`meta.is_decode = True`. `self.forward_fn(input_ids [T], positions [T], meta) -> hidden [T, H]`
+defaults to the eager model call. When the device is CUDA and `enforce_eager` is off, the engine
+calls `ninfer.engine.cuda_graphs.capture_decode_graphs(runner, batch_sizes) -> int` (bytes of the
+graph pool, reported in the capacity line) once at startup, before any request exists (so the
+capture may write to any page). It replaces `runner.forward_fn` with a callable that, for a
+decode batch whose size has a captured bucket, copies the inputs into its static buffers (padding
+rows with slot -1 and seq_len 0 or 1), replays the graph and returns the hidden rows of the real
+batch, and otherwise calls `runner.eager_forward`. Logits and sampling stay outside the graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ninfer.attention.base import AttentionMetadata, BaseAttentionBackend
+from ninfer.engine.request import Request
+
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: `num_new_tokens[i]` tokens of `requests[i]`, starting at its num_computed_tokens."""
+    requests: list[Request]
+    num_new_tokens: list[int]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.num_new_tokens)
+
+    def samples(self, i: int) -> bool:
+        r = self.requests[i]
+        return r.num_computed_tokens + self.num_new_tokens[i] == r.num_tokens
+
+
+@dataclass
+class PreparedInputs:
+    input_ids: torch.Tensor      # [T] int64
+    positions: torch.Tensor      # [T] int64
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor    # [N] int64: index into the T tokens of each sampling sequence's last token
+    sample_req_idx: list[int]    # which batch entries sample
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, backend: BaseAttentionBackend, *, device: torch.device,
+                 page_size: int, max_pages_per_seq: int) -> None:
+        self.model = model
+        self.backend = backend
+        self.device = device
+        self.page_size = page_size
+        self.max_pages_per_seq = max_pages_per_seq
+        self.forward_fn: ForwardFn = self.eager_forward
+        self._pin = device.type == "cuda"
+
+    def eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, self.backend)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return t
+        return (t.pin_memory() if self._pin else t).to(self.device, non_blocking=True)
+
+    def prepare(self, batch: ScheduledBatch) -> PreparedInputs:
+        ps = self.page_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qlens: list[int] = []
+        slens: list[int] = []
+        sample_rows: list[int] = []
+        sample_req: list[int] = []
+        for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            start = req.num_computed_tokens
+            end = start + n
+            if len(req.block_table) * ps < end:
+                raise RuntimeError(f"request {req.request_id}: {len(req.block_table)} pages cannot hold {end} tokens")
+            ids.extend(req.token_ids[start:end])
+            pos.extend(range(start, end))
+            bt = req.block_table
+            slots.extend(bt[p // ps] * ps + p % ps for p in range(start, end))
+            qlens.append(n)
+            slens.append(end)
+            if batch.samples(i):
+                sample_rows.append(len(ids) - 1)
+                sample_req.append(i)
+        decode = batch.is_decode
+        width = self.max_pages_per_seq if decode else max(len(r.block_table) for r in batch.requests)
+        tables = torch.full((len(batch.requests), width), -1, dtype=torch.int32)
+        for i, req in enumerate(batch.requests):
+            tables[i, : len(req.block_table)] = torch.tensor(req.block_table, dtype=torch.int32)
+        qsl = torch.zeros(len(qlens) + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(torch.tensor(qlens, dtype=torch.int32), 0)
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(torch.tensor(slots, dtype=torch.int64)),
+            query_start_loc=self._to_device(qsl),
+            seq_lens=self._to_device(torch.tensor(slens, dtype=torch.int32)),
+            block_tables=self._to_device(tables),
+            max_query_len=max(qlens), max_seq_len=max(slens), is_decode=decode,
+            query_lens_cpu=qlens, seq_lens_cpu=slens,
+        )
+        return PreparedInputs(
+            input_ids=self._to_device(torch.tensor(ids, dtype=torch.int64)),
+            positions=self._to_device(torch.tensor(pos, dtype=torch.int64)),
+            meta=meta, sample_rows=self._to_device(torch.tensor(sample_rows, dtype=torch.int64)),
+            sample_req_idx=sample_req,
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor | None]:
+        """Run one step. Returns (indices into batch of sampling sequences, their logits [N, V] float32)."""
+        inp = self.prepare(batch)
+        hidden = self.forward_fn(inp.input_ids, inp.positions, inp.meta)
+        if not inp.sample_req_idx:
+            return [], None
+        logits = self.model.compute_logits(hidden[inp.sample_rows])
+        return inp.sample_req_idx, logits.float()
