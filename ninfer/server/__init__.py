@@ -1,1 +1,1 @@
-
+"""ninfer-serve: the OpenAI-compatible HTTP server (see docs/SERVING.md)."""
