@@ -1,0 +1,101 @@
+"""Final split reduction of paged decode (flash-decoding): log-sum-exp merge of the per-split
+partial outputs, with the inverse rotation R = S.H64.S (self-inverse) fused for rotated KV formats.
+
+Input (written by ``paged_decode``'s split kernel), for R = B * Hq query rows and S splits:
+
+* ``mid_o``   float32 [R, S, D]: split s's softmax-normalised partial output of row r (in the H64
+  domain for rotated formats, natural dimension order);
+* ``mid_lse`` float32 [R, S]: its log2-sum-exp of the scaled scores (``-inf`` for an empty split).
+
+Output ``out`` [R, D] in the caller's dtype: ``sum_s w_s * mid_o[s] / sum_s w_s`` with
+``w_s = 2^(lse_s - max lse)``, then ``out = R . out`` per 64-group when ``rotated`` (R = S.H64.S is its own
+inverse). A row whose every split is empty (sequence length 0) gets zeros.
+
+The grid is ``(R, cdiv(D, 64))`` and S is a launch argument, so the launch is CUDA-graph safe.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+GROUP = 64
+
+
+@triton.jit
+def _parity6(p):
+    p = p ^ (p >> 4)
+    p = p ^ (p >> 2)
+    p = p ^ (p >> 1)
+    return p & 1
+
+
+@triton.jit
+def _rot_tile(DTYPE: tl.constexpr):
+    """The format's rotation R = S.H64.S (``ninfer/kvcache/hadamard.py``), entries +-1/8 (exact),
+    from indices: sign = parity(i & j) ^ f(i) ^ f(j), f(x) = parity((x & (x >> 1)) & 0b010101)."""
+    i = tl.arange(0, 64)[:, None]
+    j = tl.arange(0, 64)[None, :]
+    p = _parity6(i & j) ^ _parity6((i & (i >> 1)) & 21) ^ _parity6((j & (j >> 1)) & 21)
+    return tl.where(p == 1, -0.125, 0.125).to(DTYPE)
+
+
+@triton.jit
+def _decode_reduce_kernel(MO, ML, OUT, S,
+                          smo_r, smo_s, sml_r, so_r,
+                          D: tl.constexpr, BLOCK_S: tl.constexpr, ROTATED: tl.constexpr):
+    """One program per (row, 64-dim block): all splits of that block are loaded at once (one
+    [BLOCK_S, 64] tile per step, normally a single step), merged, and rotated back in registers."""
+    r = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    offs_d = blk * 64 + tl.arange(0, 64)
+    dmask = offs_d < D
+    m = tl.max(tl.full([2], float("-inf"), tl.float32), axis=0)  # fp32 scalars (loop-carried)
+    l = tl.sum(tl.zeros([2], tl.float32), axis=0)
+    acc = tl.zeros([64], tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        smask = offs_s < S
+        lse = tl.load(ML + r * sml_r + offs_s, mask=smask, other=float("-inf"))
+        o = tl.load(MO + r * smo_r + offs_s[:, None] * smo_s + offs_d[None, :],
+                    mask=smask[:, None] & dmask[None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        safe = m_new != float("-inf")
+        a = tl.where(safe, tl.exp2(m - m_new), 0.0)
+        w = tl.where(safe, tl.exp2(lse - m_new), 0.0)
+        acc = acc * a + tl.sum(o * w[:, None], axis=0)
+        l = l * a + tl.sum(w, axis=0)
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)
+    if ROTATED:
+        # out_nat[i] = sum_j out_rot[j] R[j, i]: a [64] x [64, 64] product, broadcast in registers.
+        out = tl.sum(out[:, None] * _rot_tile(tl.float32), axis=0)
+    tl.store(OUT + r * so_r + offs_d, out.to(OUT.dtype.element_ty), mask=dmask)
+
+
+def decode_reduce(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, *, rotated: bool) -> torch.Tensor:
+    """Merge splits: ``mid_o`` float32 [R, S, D], ``mid_lse`` float32 [R, S] (log2 domain) into
+    ``out`` [R, D] (any float dtype, written in place and returned); ``rotated`` applies the format's
+    rotation R per 64-group after the merge (D must then be a multiple of 64).
+
+    Grid ``(R, cdiv(D, 64))``: every program loads all S partials of its 64 dims at once, so the
+    time does not grow with S the way a loop of dependent loads over S would."""
+    if mid_o.dim() != 3 or mid_lse.shape != mid_o.shape[:2]:
+        raise ValueError(f"decode_reduce: mid_o {list(mid_o.shape)} must be [R, S, D] and mid_lse [R, S], "
+                         f"got mid_lse {list(mid_lse.shape)}")
+    if mid_o.dtype != torch.float32 or mid_lse.dtype != torch.float32:
+        raise ValueError("decode_reduce: mid_o / mid_lse must be float32")
+    r, s, d = mid_o.shape
+    if out.shape != (r, d) or not out.is_floating_point():
+        raise ValueError(f"decode_reduce: out must be a float [{r}, {d}], got {out.dtype}{list(out.shape)}")
+    if mid_o.stride(2) != 1 or mid_lse.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError("decode_reduce: last dims must be contiguous")
+    if rotated and d % GROUP:
+        raise ValueError(f"decode_reduce: rotated output needs head_dim a multiple of 64, got {d}")
+    if r == 0:
+        return out
+    block_s = min(128, triton.next_power_of_2(max(1, s)))
+    _decode_reduce_kernel[(r, triton.cdiv(d, 64))](mid_o, mid_lse, out, s,
+                                                   mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0),
+                                                   D=d, BLOCK_S=block_s, ROTATED=rotated, num_warps=4)
+    return out
