@@ -1,0 +1,237 @@
+"""CUDA C++ split kernel for paged decode (int8, rk4v4, rk4v4-e8; the fast path on NVIDIA GPUs).
+
+The Triton kernel in paged_decode.py is the portable path. On NVIDIA GPUs (sm_80+) the packed/int8 formats
+also have a CUDA C++ split kernel: mma.sync m16n8k16 with fragments built straight from the
+stored words (no shared-memory re-layout of a converted tile), per-warp cp.async pipelines and
+PTX bit tricks for the 4-bit -> fp16 conversion. It is compiled at first use with the nvcc found
+on the machine (cubin cached under ~/.cache/ninfer/cuda or $NINFER_CACHE_DIR) and launched
+through the CUDA driver API (ctypes), on torch's current stream (CUDA-graph capturable).
+Layout facts the fragments rely on (docs/KERNELS.md has the derivation):
+* score MMA  S^T = K . Q^T : K is the A operand (16 tokens x 16 dims), Q^T the B operand;
+  thread (gi = lane/4, ti = lane%4) converts words 2ti, 2ti+1 of each group of tokens gi, gi+8;
+  word -> half2 pairs (nibble s, nibble s+4); Q is permuted to the same k order.
+* output MMA O^T = V^T . P^T : V^T is the A operand (16 dims x 16 tokens); thread gi converts
+  word gi of each group of tokens 2ti, 2ti+1, 2ti+8, 2ti+9, pairing two tokens per half2 with
+  one prmt; P^T comes from the score accumulators by two movmatrix transposes.
+* E8: per word, parity fix of nibble 7 (one multiply) and the coset bit c folded into the fp16
+  conversion constants (p = n + c/2 exactly); V and K group scales: K per group accumulator,
+  V folded into P per group.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from ninfer.kernels._common import FMT_E8, FMT_INT8, FMT_RK4, LOG2E, SM_COUNT as _SM_COUNT, fmt_code
+from ninfer.kvcache.formats import GROUP, get_format
+
+_CUDA_SRC = (Path(__file__).parent / "csrc" / "paged_decode.cu").read_text()
+
+_CUDA_FMT = {FMT_INT8: 1, FMT_RK4: 2, FMT_E8: 3}
+# (NW warps, CHUNK tokens per pipeline stage, NST stages) per format kind
+CUDA_DEFAULT_CFG = {FMT_INT8: (8, 16, 3), FMT_RK4: (8, 32, 2), FMT_E8: (8, 32, 2)}
+
+
+class _CudaDecode:
+    """nvcc -> cubin -> cuModuleLoadData -> cuLaunchKernel, one module per configuration."""
+
+    def __init__(self) -> None:
+        self._drv = None
+        self._funcs: dict[tuple, tuple] = {}
+        self._lock = threading.Lock()
+        self.error: str | None = None
+
+    # -------------------------------------------------------------- driver
+    def _driver(self):
+        if self._drv is None:
+            drv = ctypes.CDLL("libcuda.so.1")
+            drv.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+            drv.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
+            drv.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
+            drv.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+            drv.cuFuncGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p]
+            drv.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [
+                ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+            drv.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
+                ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+            self._drv = drv
+        return self._drv
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            msg = ctypes.c_char_p()
+            self._driver().cuGetErrorString(rc, ctypes.byref(msg))
+            raise RuntimeError(f"paged_decode CUDA path: {what} failed: {rc} {msg.value!r}")
+
+    # -------------------------------------------------------------- build
+    @staticmethod
+    def _cache_dir() -> Path:
+        d = Path(os.environ.get("NINFER_CACHE_DIR", Path.home() / ".cache" / "ninfer")) / "cuda"
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def build(self, key: tuple, arch: str) -> Path:
+        fmt_c, d, qt, nw, chunk, nst = key
+        defs = {"ND_FMT": fmt_c, "ND_D": d, "ND_NW": nw, "ND_CHUNK": chunk, "ND_NST": nst,
+                "ND_QT": "__nv_bfloat16" if qt == "bf16" else "__half"}
+        tag = hashlib.sha1((_CUDA_SRC + repr(sorted(defs.items())) + arch).encode()).hexdigest()[:16]
+        out = self._cache_dir() / f"nd_decode_{tag}.cubin"
+        if out.exists():
+            return out
+        nvcc = _nvcc()
+        if nvcc is None:
+            raise RuntimeError("paged_decode CUDA path: nvcc not found")
+        with tempfile.TemporaryDirectory() as tmp:
+            cu = Path(tmp) / "nd_decode.cu"
+            cu.write_text(_CUDA_SRC)
+            tmp_out = Path(tmp) / "out.cubin"
+            cmd = [nvcc, "-cubin", f"-arch={arch}", "-O3", "-std=c++17", "-o", str(tmp_out), str(cu)]
+            cmd += [f"-D{k}={v}" for k, v in defs.items()]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"paged_decode CUDA path: nvcc failed:\n{res.stderr[-3000:]}")
+            shutil.move(str(tmp_out), out)
+        return out
+
+    def function(self, key: tuple, device: torch.device):
+        with self._lock:
+            fkey = (key, device.index)
+            if fkey in self._funcs:
+                return self._funcs[fkey]
+            major, minor = torch.cuda.get_device_capability(device)
+            path = self.build(key, f"sm_{major}{minor}")
+            torch.cuda.init()
+            with torch.cuda.device(device):
+                torch.cuda.current_stream(device).synchronize()  # makes torch's context current
+                drv = self._driver()
+                mod = ctypes.c_void_p()
+                self._check(drv.cuModuleLoadData(ctypes.byref(mod), path.read_bytes()), "cuModuleLoadData")
+                fn = ctypes.c_void_p()
+                self._check(drv.cuModuleGetFunction(ctypes.byref(fn), mod, b"nd_decode"), "cuModuleGetFunction")
+                smem = _cuda_smem_bytes(key)
+                self._check(drv.cuFuncSetAttribute(fn, 8, smem), "cuFuncSetAttribute(max dynamic smem)")
+                nw = key[3]
+                occ = ctypes.c_int()
+                self._check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(occ), fn, nw * 32, smem),
+                            "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+                regs = ctypes.c_int()
+                drv.cuFuncGetAttribute(ctypes.byref(regs), 4, fn)  # CU_FUNC_ATTRIBUTE_NUM_REGS
+            entry = (mod, fn, smem, max(1, occ.value), regs.value)
+            self._funcs[fkey] = entry
+            return entry
+
+    def launch(self, fn, grid, block: int, smem: int, stream: int, args: list) -> None:
+        holders = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                holders.append(ctypes.c_void_p(a.data_ptr()))
+            elif isinstance(a, float):
+                holders.append(ctypes.c_float(a))
+            elif isinstance(a, tuple):  # ("i64", v)
+                holders.append(ctypes.c_int64(a[1]))
+            else:
+                holders.append(ctypes.c_int(a))
+        params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in holders])
+        rc = self._driver().cuLaunchKernel(fn, grid[0], grid[1], grid[2], block, 1, 1, smem,
+                                           ctypes.c_void_p(stream), params, None)
+        self._check(rc, "cuLaunchKernel")
+
+
+_CUDA = _CudaDecode()
+
+
+def _cuda_smem_bytes(key: tuple) -> int:
+    fmt_c, d, _qt, nw, chunk, nst = key
+    g = d // GROUP
+    rb = d if fmt_c == 1 else d // 2
+    stage = chunk * (2 * rb + 4 * g)
+    return max(nw * nst * stage, nw * 8 * d * 4)
+
+
+def cuda_path_supported(q: torch.Tensor, kd: torch.Tensor, fmt_name: str) -> str | None:
+    """None if the CUDA path can run this call, else the reason it cannot."""
+    fmt = get_format(fmt_name)
+    code = fmt_code(fmt)
+    if code not in _CUDA_FMT:
+        return f"format {fmt.name} has no CUDA path"
+    if q.device.type != "cuda":
+        return "not on CUDA"
+    if _capability(q.device) < (8, 0):
+        return "needs sm_80+"
+    bsz, hq, d = q.shape
+    if d not in (128, 256):
+        return f"head_dim {d} (CUDA path: 128 or 256)"
+    if hq // kd.shape[1] > 8:
+        return f"GQA group {hq // kd.shape[1]} > 8"
+    if kd.shape[2] != 64:
+        return "page size != 64"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"q dtype {q.dtype}"
+    if _nvcc() is None:
+        return "nvcc not found"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found is None and os.path.exists("/usr/local/cuda/bin/nvcc"):
+        found = "/usr/local/cuda/bin/nvcc"
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _paged_decode_cuda_split(q, kd, ks, vd, vs, block_tables, seq_lens, mid_o, mid_lse, code, scale,
+                             splits, cfg) -> None:
+    bsz, hq, d = q.shape
+    hkv = kd.shape[1]
+    for t, nm in ((kd, "k"), (vd, "v"), (ks, "k_scale"), (vs, "v_scale")):
+        if not t.is_contiguous():
+            raise ValueError(f"paged_decode(cuda): plane {nm} must be contiguous")
+    nw, chunk, nst = cfg
+    key = (_CUDA_FMT[code], d, "bf16" if q.dtype == torch.bfloat16 else "fp16", nw, chunk, nst)
+    _mod, fn, smem, _occ, _regs = _CUDA.function(key, q.device)
+    esz = kd.element_size()
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    _CUDA.launch(fn, (splits, hkv, bsz), nw * 32, smem, stream, [
+        q, kd, ks, vd, vs, block_tables, seq_lens, mid_o, mid_lse,
+        ("i64", q.stride(0)), ("i64", q.stride(1)),
+        ("i64", kd.stride(0) * esz), ("i64", kd.stride(1) * esz),
+        ("i64", ks.stride(0) * 2), ("i64", ks.stride(1) * 2), ("i64", block_tables.stride(0)),
+        hq, hq // hkv, splits, float(scale) * LOG2E])
+
+
+def cuda_num_splits(batch: int, num_kv_heads: int, max_pages: int, device: torch.device, fmt_name: str,
+                    head_dim: int, q_dtype=torch.bfloat16, cfg=None) -> int:
+    """Splits for the CUDA path: one wave of resident blocks (occupancy x SMs), from fixed sizes only."""
+    code = fmt_code(get_format(fmt_name))
+    cfg = cfg or CUDA_DEFAULT_CFG[code]
+    key = (_CUDA_FMT[code], head_dim, "bf16" if q_dtype == torch.bfloat16 else "fp16", *cfg)
+    _mod, _fn, _smem, occ, _regs = _CUDA.function(key, device)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    s = (occ * _SM_COUNT[idx]) // max(1, batch * num_kv_heads)
+    return int(max(1, min(s, max_pages, 512)))
+
+
+def cuda_kernel_info(fmt_name: str, head_dim: int, device: torch.device, q_dtype=torch.bfloat16, cfg=None) -> dict:
+    """Registers, shared memory and occupancy of the CUDA split kernel (for the benchmark report)."""
+    code = fmt_code(get_format(fmt_name))
+    cfg = cfg or CUDA_DEFAULT_CFG[code]
+    key = (_CUDA_FMT[code], head_dim, "bf16" if q_dtype == torch.bfloat16 else "fp16", *cfg)
+    _mod, _fn, smem, occ, regs = _CUDA.function(key, device)
+    return {"regs": regs, "dyn_smem": smem, "blocks_per_sm": occ, "warps": cfg[0], "chunk": cfg[1], "stages": cfg[2]}
