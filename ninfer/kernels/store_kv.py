@@ -1,0 +1,205 @@
+"""Store kernel: new K/V rows -> (rotate, scale, quantize, pack) -> scatter into KV pages.
+
+One Triton program handles BLOCK_T tokens x one KV head x one 64-group, for K and for V, so a
+launch is ``(cdiv(T, BLOCK_T), Hkv, D/64)`` programs and its grid depends only on T (CUDA-graph
+safe: no host sync, no data-dependent sizes). Slots of -1 are skipped.
+
+Bit-exactness with the torch reference (``ninfer/kvcache/formats.py`` + ``e8.py``):
+* rotation ``x @ R`` (R = S.H64.S, ``kvcache/hadamard.py``) is one float32 ``tl.dot`` (IEEE, no
+  TF32) with exact +-1/8 products; it equals torch's float32 matmul whenever that sum is exact
+  in float32 (true for bf16/fp16 K/V whose 64-group spans <= ~10 binades); otherwise the two may
+  differ in the last ulp of a rotated value, as ``hadamard.py`` states, and rarely in a code;
+* everything after the rotation is the reference's exact op sequence: float32 absmax, IEEE
+  division by C (``div_rn``, not Triton's approximate ``/``), round-to-nearest-even fp16 scale
+  (underflow -> 2^-24), IEEE ``z = x / s``, ``rint`` via the 1.5*2^23 trick (round half to even),
+  the E8 search with the same keys, tie rules and the sequential j = 0..7 distance sum.
+* Where the reference raises (NaN/Inf, a scale that overflows fp16) a kernel cannot (no host
+  sync): the scale saturates at 65504 and codes clamp to the box.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ninfer.kernels.hadamard import rot64
+from ninfer.kvcache.formats import GROUP, get_format
+
+# Format switch (constexpr): one compiled variant per format.
+FMT_COPY, FMT_INT8, FMT_RK4, FMT_E8 = 0, 1, 2, 3
+BLOCK_T = 16  # tl.dot needs M >= 16
+
+
+def fmt_code(fmt) -> int:
+    if not fmt.has_scales:
+        return FMT_COPY
+    if fmt.e8_lattice:
+        return FMT_E8
+    return FMT_RK4 if fmt.packed else FMT_INT8
+
+
+@triton.jit
+def _rint(x):
+    # Round half to even for |x| < 2^22 (all code units here): the add rounds at integer ulp.
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _nearest_even_in_box(y, BT: tl.constexpr):
+    """y [BT, 8 (j), 8 (w)] float32 -> (n int32 with even column sums, squared distance [BT, 8])."""
+    f = tl.minimum(tl.maximum(_rint(y), -8.0), 7.0)
+    r = y - f
+    t = tl.where(r >= 0, 1.0, -1.0)
+    t = tl.where((f + t > 7.0) | (f + t < -8.0), -t, t)  # box edge: inward neighbour
+    key = r * t
+    fi = f.to(tl.int32)
+    odd = (tl.sum(fi, axis=1) & 1) != 0
+    jmax = tl.argmax(key, axis=1, tie_break_left=True)  # first maximum = lowest j
+    jj = tl.arange(0, 8)[None, :, None]
+    move = (jj == jmax[:, None, :]) & odd[:, None, :]
+    n = fi + tl.where(move, t.to(tl.int32), 0)
+    e = y - n.to(tl.float32)
+    sq = e * e
+    d = tl.sum(tl.where(jj == 0, sq, 0.0), axis=1)
+    for k in tl.static_range(1, 8):  # sequential order, as the reference sums
+        d = d + tl.sum(tl.where(jj == k, sq, 0.0), axis=1)
+    return n, d
+
+
+@triton.jit
+def _pack_words(u, BT: tl.constexpr):
+    """Nibbles u [BT, 8 (j), 8 (w)] in [0, 15] -> int32 words [BT, 8]: nibble j at bits 4j."""
+    sh = (tl.arange(0, 8) * 4).to(tl.int64)[None, :, None]
+    return tl.sum(u.to(tl.int64) << sh, axis=1).to(tl.int32)
+
+
+@triton.jit
+def _store_one(x_ptr, sxt, sxh, data_ptr, scale_ptr, rows, tok, valid, h, g, C,
+               FMT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr):
+    if FMT == 0:
+        # Unquantized: copy the whole row (any head_dim); the wrapper already cast to the plane dtype.
+        d = tl.arange(0, BLOCK_D)
+        m = valid[:, None] & (d[None, :] < D)
+        x = tl.load(x_ptr + tok[:, None] * sxt + h * sxh + d[None, :], mask=m, other=0.0)
+        tl.store(data_ptr + rows[:, None] * D + d[None, :], x, mask=m)
+    else:
+        G: tl.constexpr = D // 64
+        d = tl.arange(0, 64)
+        m = valid[:, None]
+        x = tl.load(x_ptr + tok[:, None] * sxt + h * sxh + g * 64 + d[None, :], mask=m, other=0.0)
+        r = x.to(tl.float32)
+        if FMT != 1:
+            # float32 operands, IEEE FMA accumulation: exact products, no TF32 (store is not hot).
+            r = tl.dot(r, rot64(tl.float32), input_precision="ieee")
+        amax = tl.max(tl.abs(r), axis=1)
+        raw = tl.minimum(tl.math.div_rn(amax, tl.full([BT], C, tl.float32)), 65504.0)
+        s = raw.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
+        s = tl.where((s == 0.0) & (amax > 0.0), 5.960464477539063e-08, s)  # 2^-24
+        tl.store(scale_ptr + rows * G + g, s.to(tl.float16), mask=valid)
+        pos = s > 0.0
+        z = tl.where(pos[:, None], tl.math.div_rn(r, tl.where(pos, s, 1.0)[:, None]), 0.0)
+        if FMT == 1:
+            q = tl.minimum(tl.maximum(_rint(z), -127.0), 127.0)
+            tl.store(data_ptr + rows[:, None] * D + g * 64 + d[None, :], q.to(tl.int8), mask=m)
+        else:
+            zb = tl.reshape(z, (BT, 8, 8))  # [token, j, w]: coordinate 8j + w
+            if FMT == 2:
+                n = tl.minimum(tl.maximum(_rint(zb), -8.0), 7.0).to(tl.int32)
+                u = n + 8
+            else:
+                n0, d0 = _nearest_even_in_box(zb, BT)
+                n1, d1 = _nearest_even_in_box(zb - 0.5, BT)
+                half = d1 < d0  # ties keep the integer coset
+                u = tl.where(half[:, None, :], n1, n0) + 8
+                jj = tl.arange(0, 8)[None, :, None]
+                c = half.to(tl.int32)[:, None, :]
+                u = tl.where(jj == 7, (u & 0xE) | c, u)  # coset bit in nibble 7's low bit
+            words = _pack_words(u, BT)
+            w = tl.arange(0, 8)
+            tl.store(data_ptr + rows[:, None] * (D // 8) + g * 8 + w[None, :], words, mask=m)
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, skt, skh, svt, svh, kd_ptr, ks_ptr, vd_ptr, vs_ptr, slot_ptr,
+                     T, HKV, C,
+                     FMT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+                     BT: tl.constexpr):
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    g = tl.program_id(2)
+    tok = pid_t * BT + tl.arange(0, BT)
+    inb = tok < T
+    slot = tl.load(slot_ptr + tok, mask=inb, other=-1).to(tl.int64)
+    valid = inb & (slot >= 0)
+    slot = tl.where(valid, slot, 0)
+    # Row index of (page, head, offset) in a [pages, Hkv, PAGE, extent] plane.
+    rows = ((slot // PAGE) * HKV + h) * PAGE + slot % PAGE
+    tok = tok.to(tl.int64)
+    _store_one(k_ptr, skt, skh, kd_ptr, ks_ptr, rows, tok, valid, h, g, C, FMT, D, BLOCK_D, BT)
+    _store_one(v_ptr, svt, svh, vd_ptr, vs_ptr, rows, tok, valid, h, g, C, FMT, D, BLOCK_D, BT)
+
+
+def _check_plane(planes: dict, name: str, dtype: torch.dtype, hkv: int, extent: int, device) -> torch.Tensor:
+    if name not in planes:
+        raise ValueError(f"store_kv: plane {name!r} missing (have {sorted(planes)})")
+    p = planes[name]
+    if p.dim() != 4 or p.shape[1] != hkv or p.shape[3] != extent or p.dtype != dtype:
+        raise ValueError(f"store_kv: plane {name} is {p.dtype}{list(p.shape)}, expected "
+                         f"{dtype}[pages, {hkv}, page, {extent}]")
+    if not p.is_contiguous() or p.device != device:
+        raise ValueError(f"store_kv: plane {name} must be contiguous on {device}")
+    return p
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch.Tensor, fmt_name: str) -> None:
+    """Encode k/v [T, Hkv, D] with format ``fmt_name`` and write them to ``planes`` (the pool's
+    per-layer dict) at ``slot_mapping`` [T] (page * page_size + offset; -1 = skip). In place."""
+    fmt = get_format(fmt_name)
+    if k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(f"store_kv: k {list(k.shape)} and v {list(v.shape)} must both be [T, Hkv, D]")
+    if not (k.is_floating_point() and v.dtype == k.dtype):
+        raise ValueError(f"store_kv: k/v must share a float dtype, got {k.dtype}/{v.dtype}")
+    t, hkv, d = k.shape
+    if slot_mapping.shape != (t,) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"store_kv: slot_mapping must be int32/int64 [{t}], "
+                         f"got {slot_mapping.dtype}{list(slot_mapping.shape)}")
+    if k.device != slot_mapping.device or v.device != k.device:
+        raise ValueError("store_kv: k, v and slot_mapping must be on one device")
+    code = fmt_code(fmt)
+    if code != FMT_COPY and d % GROUP:
+        raise ValueError(f"store_kv: kv_dtype={fmt.name} needs head_dim % 64 == 0, got {d}")
+    kp = planes.get("k")
+    if kp is None:
+        raise ValueError(f"store_kv: plane 'k' missing (have {sorted(planes)})")
+    data_dt = fmt.data_dtype(kp.dtype)  # auto: the pool's model dtype
+    ext = fmt.data_extent(d)
+    kd = _check_plane(planes, "k", data_dt, hkv, ext, k.device)
+    vd = _check_plane(planes, "v", data_dt, hkv, ext, k.device)
+    page = kd.shape[2]
+    if vd.shape != kd.shape or page & (page - 1):
+        raise ValueError(f"store_kv: k/v planes {list(kd.shape)}/{list(vd.shape)} differ "
+                         "or the page size is not a power of 2")
+    if code == FMT_COPY:
+        ks = vs = kd
+    else:
+        ks = _check_plane(planes, "k_scale", torch.float16, hkv, d // GROUP, k.device)
+        vs = _check_plane(planes, "v_scale", torch.float16, hkv, d // GROUP, k.device)
+    if code in (FMT_RK4, FMT_E8):
+        kd, vd = kd.view(torch.int32), vd.view(torch.int32)  # 8 nibbles per little-endian word
+    if t == 0:
+        return
+    if code == FMT_COPY and k.dtype != kd.dtype:
+        # torch's round-to-nearest cast (rare: model dtype differs from bf16 storage); the
+        # interpreter's own fp32->bf16 conversion does not round to nearest even.
+        k, v = k.to(kd.dtype), v.to(kd.dtype)
+    if k.stride(2) != 1:
+        k = k.contiguous()
+    if v.stride(2) != 1:
+        v = v.contiguous()
+    groups = 1 if code == FMT_COPY else d // GROUP
+    grid = (triton.cdiv(t, BLOCK_T), hkv, groups)
+    _store_kv_kernel[grid](
+        k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), kd, ks, vd, vs, slot_mapping,
+        t, hkv, float(fmt.scale_divisor or 1.0),
+        FMT=code, D=d, BLOCK_D=triton.next_power_of_2(d), PAGE=page, BT=BLOCK_T, num_warps=4,
+        enable_fp_fusion=False)  # no FMA contraction: every rounding as in the reference

@@ -1,0 +1,213 @@
+"""Store kernel (ninfer/kernels/store_kv.py) vs the reference encoder, bit for bit, on CPU.
+
+How the interpreter is enabled: Triton decides at ``@triton.jit`` time (module import) whether a
+kernel is interpreted, and other test modules may already have imported Triton or ninfer's
+kernels in this pytest process. So every kernel check runs in ONE child process started with
+``TRITON_INTERPRET=1`` in its environment (``python tests/test_kernel_store.py --child``), which
+prints one JSON line per case; the tests assert on those lines. Independent of test order and of
+what the parent imported. ``patch_interpreter_index`` works around Triton 3.6's interpreter
+calling ``int()`` on 1-element numpy arrays (refused by numpy >= 2.4) for run-time loop bounds.
+
+What a case checks: planes start poisoned with random bytes; ``store_kv`` and the reference
+(``fmt.encode`` + scatter) write the same slots; every plane must be byte-identical afterwards
+(so -1 slots and all other slots stay untouched). Inputs: fresh random values whose rotation is
+exact in float32 in any summation order (k/32 times a power-of-two scale per group), so
+bit-exactness is well defined (for arbitrary inputs the rotation sums may differ in the last ulp,
+see store_kv.py); adversarial groups (all zero, huge, scales that
+underflow fp16 to 2^-24 or land on fp16 subnormals); exact ties in code units (multiples of 1/4
+with the scale forced to 1: rounding halves, E8 coset ties, equal parity-fix keys, box edges);
+odd token counts, slots at page boundaries, K/V as strided views of a fused tensor.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FORMATS = ("auto", "bf16", "int8", "rk4v4", "rk4v4-e8")
+
+# (name, fmt, kind, T, Hkv, D, dtype, seed)
+CASES = []
+for _f in FORMATS:
+    for _s in (0, 1):
+        CASES.append((f"{_f}-random-s{_s}", _f, "random", 37, 2, 128, "bfloat16", _s))
+    CASES.append((f"{_f}-adversarial", _f, "adversarial", 21, 2, 128, "bfloat16", 7))
+for _f in ("int8", "rk4v4", "rk4v4-e8"):
+    CASES.append((f"{_f}-ties", _f, "ties", 19, 2, 128, "float32", 3))
+CASES.append(("rk4v4-e8-d256-fp16-odd", "rk4v4-e8", "random", 5, 1, 256, "float16", 11))
+CASES.append(("rk4v4-e8-d64-ties-s2", "rk4v4-e8", "ties", 33, 1, 64, "float32", 12))
+CASES.append(("auto-fp32-d80", "auto", "random", 9, 3, 80, "float32", 13))
+
+
+def patch_interpreter_index() -> None:
+    """Make the interpreter's ``tensor.__index__`` accept 1-element arrays (interpreter only)."""
+    from triton.runtime import interpreter as _interp
+
+    orig = _interp._patch_lang_tensor
+    if getattr(orig, "_ninfer_patched", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._ninfer_patched = True
+    _interp._patch_lang_tensor = patched
+
+
+def run_child(test_file: str, timeout: int = 600) -> dict:
+    """Run ``test_file --child`` under TRITON_INTERPRET=1; collect its ``CASE {json}`` lines by name."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, test_file, "--child"], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=str(ROOT))
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("CASE "):
+            r = json.loads(line[5:])
+            out[r["name"]] = r
+    if not out:
+        raise AssertionError(f"child produced no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    return out
+
+
+def exact_values(gen, shape, dtype, lo: int = -6, hi: int = 6):
+    """Random values k/32 * 2^e (|k| < 256, e in [lo, hi] per 64-group): exact in bf16/fp16/fp32, and
+    any float32 summation order of a 64-term +-1/8 rotation of them is exact (14 significant bits)."""
+    import torch
+
+    *lead, d = shape
+    ng = -(-d // 64)
+    gs = 2.0 ** torch.randint(lo, hi + 1, (*lead, ng), generator=gen).to(torch.float32)
+    gs = gs.repeat_interleave(64, dim=-1)[..., :d]
+    x = torch.round(torch.randn(*shape, generator=gen).clamp(-7.9, 7.9) * 32) / 32
+    return (x * gs).to(dtype)
+
+
+def _ties(gen, fmt, shape):
+    """Values whose code units are exactly multiples of 1/4 (1/2 for int8) with scale 1."""
+    import torch
+
+    from ninfer.kvcache.hadamard import rotate
+
+    c = float(fmt.scale_divisor)
+    step = 0.5 if not fmt.rotated else 0.25
+    n = int(c / step)
+    z = torch.randint(-n, n, shape, generator=gen).to(torch.float64) * step
+    z[..., 0::64] = c * torch.where(torch.rand(z[..., 0::64].shape, generator=gen) < 0.5, -1.0, 1.0)  # absmax = C
+    z[..., 5::64] = 0.25  # runs of equal values: equal E8 keys, coset ties
+    z[..., 13::64] = 0.25
+    x = rotate(z) if fmt.rotated else z  # R is self-inverse: the kernel's rotation gives z back exactly
+    return x.to(torch.float32)
+
+
+def _run_case(name, fmt_name, kind, t, hkv, d, dtype_name, seed):
+    import torch
+
+    from ninfer.kernels.store_kv import store_kv
+    from ninfer.kvcache.formats import get_format
+
+    fmt = get_format(fmt_name)
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(seed)
+    page, num_pages = 64, 4
+    shape = (t, hkv, d)
+    if kind == "ties":
+        k, v = _ties(gen, fmt, shape), _ties(gen, fmt, shape)
+    else:
+        k, v = exact_values(gen, shape, dtype), exact_values(gen, shape, dtype)
+    if kind == "adversarial":
+        for x in (k, v):
+            x[1, 0] = 0  # all-zero groups
+            x[2, :, :64] = exact_values(gen, (hkv, 64), dtype, 12, 12)  # huge (scale still fits fp16)
+            x[3, :, :64] = exact_values(gen, (hkv, 64), dtype, -40, -40)  # scale underflows -> 2^-24
+            x[4] = exact_values(gen, (hkv, d), dtype, -20, -18)  # fp16 subnormal scales
+            x[5, 1, 64:] = 0
+    # K/V as strided views of one fused [T, 3, Hkv, D] tensor, like a fused qkv projection.
+    fused = torch.zeros(t, 3, hkv, d, dtype=k.dtype)
+    fused[:, 1], fused[:, 2] = k, v
+    k, v = fused[:, 1], fused[:, 2]
+    slots = torch.randperm(num_pages * page, generator=gen)[:t]
+    for i, s in enumerate((63, 64, 127, 128)):  # page boundaries
+        if i + 6 < t:
+            slots[slots == s] = slots[i + 6].item()
+            slots[i + 6] = s
+    skip = torch.rand(t, generator=gen) < 0.15
+    slots = torch.where(skip, torch.full_like(slots, -1), slots)
+    model_dtype = dtype if fmt.storage is None else torch.bfloat16
+    planes, ref = {}, {}
+    for pl in fmt.planes(d, model_dtype):
+        raw = torch.randint(0, 256, (num_pages, hkv, page, pl.extent * torch.empty((), dtype=pl.dtype).element_size()),
+                            generator=gen, dtype=torch.uint8)
+        planes[pl.name] = raw.view(pl.dtype).clone()
+        ref[pl.name] = raw.view(pl.dtype).clone()
+    store_kv(k, v, planes, slots, fmt_name)
+    keep = slots >= 0
+    pg, off = slots[keep] // page, slots[keep] % page
+    for which, x in (("k", k), ("v", v)):
+        data, sc = fmt.encode(x[keep])
+        ref[which][pg, :, off] = data.to(ref[which].dtype)
+        if sc is not None:
+            ref[f"{which}_scale"][pg, :, off] = sc
+    bad = {n: int((planes[n].view(torch.uint8) != ref[n].view(torch.uint8)).sum()) for n in planes}
+    return {"name": name, "mismatched_bytes": bad, "stored": int(keep.sum())}
+
+
+def _child() -> int:
+    sys.path.insert(0, str(ROOT))
+    patch_interpreter_index()
+    for case in CASES:
+        try:
+            res = _run_case(*case)
+        except Exception as e:  # report, keep going
+            res = {"name": case[0], "error": f"{type(e).__name__}: {e}"}
+        print("CASE " + json.dumps(res), flush=True)
+    return 0
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_child(__file__)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_store_kv_bit_exact(results, case):
+    r = results.get(case[0])
+    assert r is not None, f"case {case[0]} did not run"
+    assert "error" not in r, r.get("error")
+    assert r["stored"] > 0
+    assert all(v == 0 for v in r["mismatched_bytes"].values()), f"planes differ from the reference: {r}"
+
+
+def test_store_kv_rejects_bad_inputs():
+    import torch
+
+    from ninfer.kernels.store_kv import store_kv
+
+    k = torch.zeros(3, 2, 128, dtype=torch.bfloat16)
+    planes = {"k": torch.zeros(2, 2, 64, 64, dtype=torch.uint8), "v": torch.zeros(2, 2, 64, 64, dtype=torch.uint8),
+              "k_scale": torch.zeros(2, 2, 64, 2, dtype=torch.float16),
+              "v_scale": torch.zeros(2, 2, 64, 2, dtype=torch.float16)}
+    slots = torch.arange(3)
+    with pytest.raises(ValueError):
+        store_kv(k, k[:, :1], planes, slots, "rk4v4-e8")  # k/v shapes
+    with pytest.raises(ValueError):
+        store_kv(k, k, planes, slots[:2], "rk4v4-e8")  # slot count
+    with pytest.raises(ValueError):
+        store_kv(k, k, planes, slots.float(), "rk4v4-e8")  # slot dtype
+    with pytest.raises(ValueError):
+        store_kv(k, k, {**planes, "k": planes["k"].view(torch.int8)}, slots, "rk4v4-e8")  # plane dtype
+    with pytest.raises(ValueError):
+        store_kv(k, k, planes, slots, "int8")  # int8 extent is D, not D/2
+    with pytest.raises(ValueError):
+        store_kv(k, k, {"k": planes["k"], "v": planes["v"]}, slots, "rk4v4")  # scales missing
+    with pytest.raises(ValueError):
+        store_kv(k, k, planes, slots, "rk2v4-e8")  # refused format
+
+
+if __name__ == "__main__" and "--child" in sys.argv:
+    sys.exit(_child())
