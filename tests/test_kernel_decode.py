@@ -23,15 +23,14 @@ coset bit or a wrong page gives errors of order 1e-1 .. 1).
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.triton_interp import child_main, run_child  # noqa: E402
 FORMATS = ("auto", "bf16", "int8", "rk4v4", "rk4v4-e8")
 
 # (name, fmt, hq, hkv, d, lens, page, splits, seed)
@@ -94,49 +93,13 @@ def _run_case(name, fmt_name, hq, hkv, d, lens, page, splits, seed):
     return {"name": name, "finite": finite, "rel": rel, "empty_ok": empty_ok}
 
 
-def _patch_interpreter_index() -> None:
-    """Triton 3.6's interpreter turns a scalar tensor into a Python int with ``int(array)``, which
-    numpy >= 2.4 refuses for its 1-element arrays; loops with run-time bounds then fail. Make
-    ``__index__`` use ``.item()`` (interpreter only; no effect on compiled kernels)."""
-    from triton.runtime import interpreter as _interp
-
-    orig = _interp._patch_lang_tensor
-    if getattr(orig, "_ninfer_patched", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._ninfer_patched = True
-    _interp._patch_lang_tensor = patched
-
-
 def _child() -> int:
-    sys.path.insert(0, str(ROOT))
-    _patch_interpreter_index()
-    for case in CASES:
-        try:
-            res = _run_case(*case)
-        except Exception as e:  # report, keep going
-            res = {"name": case[0], "error": f"{type(e).__name__}: {e}"}
-        print("CASE " + json.dumps(res), flush=True)
-    return 0
+    return child_main(CASES, _run_case)
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=str(ROOT))
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("CASE "):
-            r = json.loads(line[5:])
-            out[r["name"]] = r
-    if not out:
-        raise AssertionError(f"child produced no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-    return out
+    return run_child(__file__)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])

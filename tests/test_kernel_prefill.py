@@ -1,6 +1,6 @@
 """Chunked-prefill kernel (ninfer/kernels/prefill.py) vs paged_prefill_ref, on CPU.
 
-Interpreter: like tests/test_kernel_store.py (whose helpers this imports), every kernel check runs
+Interpreter: as tests/triton_interp.py describes, every kernel check runs
 in one child process started with ``TRITON_INTERPRET=1`` (``python tests/test_kernel_prefill.py
 --child``), so the result does not depend on what this pytest process imported before.
 
@@ -20,7 +20,6 @@ boundaries; varlen batches with a 1-token chunk; several query tiles per sequenc
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.test_kernel_store import FORMATS, patch_interpreter_index, run_child  # noqa: E402
+from tests.triton_interp import FORMATS, child_main, run_child  # noqa: E402
 
 # (name, fmt, hq, hkv, d, [(cached, new) per sequence], seed[, paged_prefill tiling kwargs])
 CASES = []
@@ -44,6 +43,9 @@ CASES.append(("rk4v4-gqa6-d256-prefix", "rk4v4", 12, 2, 256, [(100, 5)], 6))
 CASES.append(("rk4v4-e8-gqa6-d128-tiles16", "rk4v4-e8", 6, 1, 128, [(40, 30)], 7,
               {"block_m": 16, "block_n": 16, "num_warps": 2}))
 CASES.append(("int8-gqa4-d256-bm128", "int8", 8, 2, 256, [(3, 33), (70, 2)], 8, {"block_m": 128, "block_n": 32}))
+# the previous D=256 default tiling (the defaults are now 128 rows) and a small-tile int8 D=128 one
+CASES.append(("rk4v4-e8-gqa6-d256-bm32", "rk4v4-e8", 6, 1, 256, [(90, 20)], 9, {"block_m": 32, "block_n": 16}))
+CASES.append(("int8-gqa4-d128-bn16", "int8", 4, 1, 128, [(50, 30)], 10, {"block_m": 64, "block_n": 16, "num_warps": 4}))
 
 
 def _run_case(name, fmt_name, hq, hkv, d, seqs, seed, tiling=None):
@@ -110,14 +112,7 @@ def _run_case(name, fmt_name, hq, hkv, d, seqs, seed, tiling=None):
 
 
 def _child() -> int:
-    patch_interpreter_index()
-    for case in CASES:
-        try:
-            res = _run_case(*case)
-        except Exception as e:  # report, keep going
-            res = {"name": case[0], "error": f"{type(e).__name__}: {e}"}
-        print("CASE " + json.dumps(res), flush=True)
-    return 0
+    return child_main(CASES, _run_case)
 
 
 @pytest.fixture(scope="module")

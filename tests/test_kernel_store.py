@@ -1,12 +1,7 @@
 """Store kernel (ninfer/kernels/store_kv.py) vs the reference encoder, bit for bit, on CPU.
 
-How the interpreter is enabled: Triton decides at ``@triton.jit`` time (module import) whether a
-kernel is interpreted, and other test modules may already have imported Triton or ninfer's
-kernels in this pytest process. So every kernel check runs in ONE child process started with
-``TRITON_INTERPRET=1`` in its environment (``python tests/test_kernel_store.py --child``), which
-prints one JSON line per case; the tests assert on those lines. Independent of test order and of
-what the parent imported. ``patch_interpreter_index`` works around Triton 3.6's interpreter
-calling ``int()`` on 1-element numpy arrays (refused by numpy >= 2.4) for run-time loop bounds.
+Interpreter: every kernel check runs in one child process with ``TRITON_INTERPRET=1``
+(tests/triton_interp.py says why and how).
 
 What a case checks: planes start poisoned with random bytes; ``store_kv`` and the reference
 (``fmt.encode`` + scatter) write the same slots; every plane must be byte-identical afterwards
@@ -20,16 +15,14 @@ odd token counts, slots at page boundaries, K/V as strided views of a fused tens
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FORMATS = ("auto", "bf16", "int8", "rk4v4", "rk4v4-e8")
+sys.path.insert(0, str(ROOT))
+from tests.triton_interp import FORMATS, child_main, exact_values, run_child  # noqa: E402,F401
 
 # (name, fmt, kind, T, Hkv, D, dtype, seed)
 CASES = []
@@ -42,50 +35,9 @@ for _f in ("int8", "rk4v4", "rk4v4-e8"):
 CASES.append(("rk4v4-e8-d256-fp16-odd", "rk4v4-e8", "random", 5, 1, 256, "float16", 11))
 CASES.append(("rk4v4-e8-d64-ties-s2", "rk4v4-e8", "ties", 33, 1, 64, "float32", 12))
 CASES.append(("auto-fp32-d80", "auto", "random", 9, 3, 80, "float32", 13))
-
-
-def patch_interpreter_index() -> None:
-    """Make the interpreter's ``tensor.__index__`` accept 1-element arrays (interpreter only)."""
-    from triton.runtime import interpreter as _interp
-
-    orig = _interp._patch_lang_tensor
-    if getattr(orig, "_ninfer_patched", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._ninfer_patched = True
-    _interp._patch_lang_tensor = patched
-
-
-def run_child(test_file: str, timeout: int = 600) -> dict:
-    """Run ``test_file --child`` under TRITON_INTERPRET=1; collect its ``CASE {json}`` lines by name."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, test_file, "--child"], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=str(ROOT))
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("CASE "):
-            r = json.loads(line[5:])
-            out[r["name"]] = r
-    if not out:
-        raise AssertionError(f"child produced no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-    return out
-
-
-def exact_values(gen, shape, dtype, lo: int = -6, hi: int = 6):
-    """Random values k/32 * 2^e (|k| < 256, e in [lo, hi] per 64-group): exact in bf16/fp16/fp32, and
-    any float32 summation order of a 64-term +-1/8 rotation of them is exact (14 significant bits)."""
-    import torch
-
-    *lead, d = shape
-    ng = -(-d // 64)
-    gs = 2.0 ** torch.randint(lo, hi + 1, (*lead, ng), generator=gen).to(torch.float32)
-    gs = gs.repeat_interleave(64, dim=-1)[..., :d]
-    x = torch.round(torch.randn(*shape, generator=gen).clamp(-7.9, 7.9) * 32) / 32
-    return (x * gs).to(dtype)
+# several programs per head, every 64-group of a D=256 row in one program (store kernel loops over groups)
+for _f in ("int8", "rk4v4", "rk4v4-e8"):
+    CASES.append((f"{_f}-d256-t70", _f, "random", 70, 2, 256, "bfloat16", 14))
 
 
 def _ties(gen, fmt, shape):
@@ -158,15 +110,7 @@ def _run_case(name, fmt_name, kind, t, hkv, d, dtype_name, seed):
 
 
 def _child() -> int:
-    sys.path.insert(0, str(ROOT))
-    patch_interpreter_index()
-    for case in CASES:
-        try:
-            res = _run_case(*case)
-        except Exception as e:  # report, keep going
-            res = {"name": case[0], "error": f"{type(e).__name__}: {e}"}
-        print("CASE " + json.dumps(res), flush=True)
-    return 0
+    return child_main(CASES, _run_case)
 
 
 @pytest.fixture(scope="module")

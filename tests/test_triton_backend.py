@@ -1,6 +1,6 @@
 """TritonAttentionBackend vs ReferenceAttentionBackend over three steps, every format, on CPU.
 
-Interpreter: one child process with ``TRITON_INTERPRET=1`` (see tests/test_kernel_store.py).
+Interpreter: one child process with ``TRITON_INTERPRET=1`` (see tests/triton_interp.py).
 
 Steps on two sequences with shuffled pages: (1) prefill 70 + 5 tokens (a chunk crossing a page
 boundary); (2) a mixed step -- sequence A decodes one token while B prefills a 3-token chunk
@@ -15,7 +15,6 @@ marker; skipped on CPU), and refusal to capture on a CPU runner.
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -24,7 +23,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.test_kernel_store import FORMATS, exact_values, patch_interpreter_index, run_child  # noqa: E402
+from tests.triton_interp import FORMATS, child_main, exact_values, run_child  # noqa: E402
+
+CASES = [(f, 100 + i) for i, f in enumerate(FORMATS)]  # (format, seed); the format names the case
 
 HQ, HKV, D, PAGE, NUM_PAGES, WIDTH = 4, 2, 64, 64, 6, 4
 
@@ -80,14 +81,7 @@ def _run_case(fmt_name, seed):
 
 
 def _child() -> int:
-    patch_interpreter_index()
-    for i, f in enumerate(FORMATS):
-        try:
-            res = _run_case(f, 100 + i)
-        except Exception as e:  # report, keep going
-            res = {"name": f, "error": f"{type(e).__name__}: {e}"}
-        print("CASE " + json.dumps(res), flush=True)
-    return 0
+    return child_main(CASES, _run_case)
 
 
 @pytest.fixture(scope="module")

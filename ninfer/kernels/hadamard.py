@@ -81,3 +81,26 @@ def rot64_word_order(TRANSPOSED: tl.constexpr, DTYPE: tl.constexpr):
     else:
         r = _rot_entry(a, 8 * (b % 8) + b // 8)  # rows i, columns e
     return r.to(DTYPE)
+
+
+@triton.jit
+def _sign64():
+    """s_i = (-1)^f(i) of the format as a [64] float32 vector."""
+    i = tl.arange(0, 64)
+    return tl.where(_parity((i & (i >> 1)) & 0x15) == 1, -1.0, 1.0)
+
+
+@triton.jit
+def rotate_rows_fwht(x):
+    """x [BT, 64] float32 -> x @ R, R = S.H64.S, by the 6-stage Walsh-Hadamard butterfly
+    (6 x 64 adds per row instead of a 64 x 64 product). Each stage pairs index bit 0, writes the
+    (sum, difference) pair bit as the new top bit (an index rotation), so after 6 stages the order is
+    natural again. Exact whenever the 64-term +-1/8 sums are exact in float32 (every intermediate is
+    a signed partial sum of the same terms), hence equal to torch's matmul in that case."""
+    BT: tl.constexpr = x.shape[0]
+    s = _sign64()[None, :]
+    y = x * s
+    for _ in tl.static_range(6):
+        a, b = tl.split(tl.reshape(y, (BT, 32, 2)))
+        y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (BT, 64))
+    return y * (s * 0.125)

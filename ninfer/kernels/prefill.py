@@ -38,6 +38,7 @@ from ninfer.kernels.store_kv import FMT_COPY, FMT_E8, FMT_RK4, fmt_code
 from ninfer.kvcache.formats import get_format
 from ninfer.kvcache.hadamard import rotate
 
+SCALE_BCAST = tl.constexpr(True)  # 4-bit tiles: load scales as [BLOCK_N, G] and broadcast (False: per-word gather)
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -54,6 +55,16 @@ def _dot(a, b, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _nib(W, j: tl.constexpr, s, off, FMT: tl.constexpr):
+    """Nibble j of every word as fp16 ``s * (u - 8 [+ off])`` (exact operands, one rounding)."""
+    u = (((W >> (4 * j)) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # 1024 + u
+    n = u - 1032.0  # exact: u - 8 in [-8, 7]
+    if FMT == 3:
+        n = n + off
+    return n * s
+
+
+@triton.jit
 def _kv_tile(data_ptr, scale_ptr, row0, FMT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
              BLOCK_N: tl.constexpr):
     """Dequantized tile [BLOCK_N, BLOCK_D] of one KV head (plane rows row0 ...): the plane's own
@@ -63,22 +74,30 @@ def _kv_tile(data_ptr, scale_ptr, row0, FMT: tl.constexpr, D: tl.constexpr, BLOC
     an fp16 by OR-ing it into the mantissa of 1024 (0x6400 | c == 1024 + c exactly), then one
     exact fp16 subtraction and one fp16 multiply by the scale."""
     rows = row0 + tl.arange(0, BLOCK_N)
+    G: tl.constexpr = D // 64
     if FMT == 0 or FMT == 1:
         d = tl.arange(0, BLOCK_D)
-        dm = (d < D)[None, :]
-        x = tl.load(data_ptr + rows[:, None] * D + d[None, :], mask=dm, other=0)
+        if D == BLOCK_D:  # no mask: 16-byte vector loads / cp.async
+            x = tl.load(data_ptr + rows[:, None] * D + d[None, :])
+        else:
+            x = tl.load(data_ptr + rows[:, None] * D + d[None, :], mask=(d < D)[None, :], other=0)
         if FMT == 1:
-            s = tl.load(scale_ptr + rows[:, None] * (D // 64) + d[None, :] // 64, mask=dm, other=0.0)
+            # One scale per (row, group): a [BLOCK_N, G] load broadcast over the group's 64 codes
+            # (a per-element gather would issue one 2-byte load per code).
+            s = tl.load(scale_ptr + rows[:, None] * G + tl.arange(0, G)[None, :])
             u = ((x.to(tl.int16) + 128) | 0x6400).to(tl.float16, bitcast=True)  # 1024 + 128 + code
-            x = (u - 1152.0) * s
+            x = tl.reshape(tl.reshape(u - 1152.0, (BLOCK_N, G, 64)) * s[:, :, None], (BLOCK_N, D))
     else:
         DW: tl.constexpr = D // 8  # words (E8 blocks) per row; D is a power of two here
         w = tl.arange(0, DW)
         W = tl.load(data_ptr + rows[:, None] * DW + w[None, :])
-        s = tl.load(scale_ptr + rows[:, None] * (D // 64) + w[None, :] // 8)  # fp16 [BLOCK_N, DW]
-        sh = tl.arange(0, 8) * 4
-        nib = (((W[:, :, None] >> sh[None, None, :]) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        n = nib - 1032.0  # exact: u - 8 in [-8, 7]
+        if SCALE_BCAST:  # [BLOCK_N, G] load, broadcast to the words of each group
+            sg = tl.load(scale_ptr + rows[:, None] * G + tl.arange(0, G)[None, :])
+            s = tl.reshape(tl.broadcast_to(sg[:, :, None], (BLOCK_N, G, 8)), (BLOCK_N, DW))
+        else:
+            s = tl.load(scale_ptr + rows[:, None] * G + w[None, :] // 8)  # fp16 [BLOCK_N, DW]
+        half = s  # unused unless FMT == 3
+        off7 = s
         if FMT == 3:
             c = (W >> 28) & 1
             par = W & 0x01111111  # low bits of nibbles 0..6
@@ -89,9 +108,19 @@ def _kv_tile(data_ptr, scale_ptr, row0, FMT: tl.constexpr, D: tl.constexpr, BLOC
             half = tl.where(c == 1, 0.5, 0.0).to(tl.float16)  # p = n + c/2
             # nibble 7 stored c in its low bit; its true low bit is t: add t - c
             off7 = (half + tl.where(t == c, 0.0, tl.where(t == 1, 1.0, -1.0))).to(tl.float16)
-            jj = tl.arange(0, 8)[None, None, :]
-            n = n + tl.where(jj == 7, off7[:, :, None], half[:, :, None])
-        x = tl.reshape(n * s[:, :, None], (BLOCK_N, BLOCK_D))
+        # Per word, elementwise on [BLOCK_N, DW] (each thread converts whole words; no per-element
+        # broadcast of the word across lanes), then the 8 nibble planes are joined in-thread.
+        v0 = _nib(W, 0, s, half, FMT)
+        v1 = _nib(W, 1, s, half, FMT)
+        v2 = _nib(W, 2, s, half, FMT)
+        v3 = _nib(W, 3, s, half, FMT)
+        v4 = _nib(W, 4, s, half, FMT)
+        v5 = _nib(W, 5, s, half, FMT)
+        v6 = _nib(W, 6, s, half, FMT)
+        v7 = _nib(W, 7, s, off7, FMT)
+        # join appends a last axis: build [.., j2, j1, j0] with j = 4 j2 + 2 j1 + j0
+        x = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+        x = tl.reshape(x, (BLOCK_N, BLOCK_D))
     return x
 
 
@@ -180,13 +209,13 @@ def _prefill_kernel(q_ptr, sqt, sqh, kd, ks, vd, vs, o_ptr, sot, soh, qsl_ptr, s
 
 
 def _default_tiles(code: int, d: int) -> tuple[int, int, int]:
-    """(block_m, block_n, num_warps). Chosen without a GPU, from ptxas register/spill reports of
-    sm_90 compiles (a proxy until measured): at head_dim <= 128, (128, 32, 8) compiles without
-    spills for every format (128 query rows share each dequantized K/V tile); at 256 the 4-bit
-    unpack needs smaller tiles to keep spills low."""
+    """(block_m, block_n, num_warps). Chosen without a GPU from sm_90 compiles (ptxas registers and
+    spills, SASS instructions per key in the KV loop; docs/KERNELS.md "Store and prefill"), to be
+    confirmed by scripts/bench_store_prefill.py's sweep: 128 query rows (wgmma, and every K/V tile
+    dequantized once per 128 rows) for every format; BLOCK_N the largest without spills in the loop."""
     if d <= 128:
-        return 128, 32, 8
-    return (32, 16, 8) if code in (FMT_RK4, FMT_E8) else (32, 32, 8)
+        return 128, 64, 8
+    return (128, 32, 8) if code == FMT_COPY else (128, 16, 8)
 
 
 def _planes(p, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,14 +1,19 @@
 """Store kernel: new K/V rows -> (rotate, scale, quantize, pack) -> scatter into KV pages.
 
-One Triton program handles BLOCK_T tokens x one KV head x one 64-group, for K and for V, so a
-launch is ``(cdiv(T, BLOCK_T), Hkv, D/64)`` programs and its grid depends only on T (CUDA-graph
+One Triton program handles BLOCK_T tokens x one KV head x every 64-group, for K and for V, so a
+launch is ``(cdiv(T, BLOCK_T), Hkv)`` programs and its grid depends only on T (CUDA-graph
 safe: no host sync, no data-dependent sizes). Slots of -1 are skipped.
 
 Bit-exactness with the torch reference (``ninfer/kvcache/formats.py`` + ``e8.py``):
-* rotation ``x @ R`` (R = S.H64.S, ``kvcache/hadamard.py``) is one float32 ``tl.dot`` (IEEE, no
-  TF32) with exact +-1/8 products; it equals torch's float32 matmul whenever that sum is exact
-  in float32 (true for bf16/fp16 K/V whose 64-group spans <= ~10 binades); otherwise the two may
-  differ in the last ulp of a rotated value, as ``hadamard.py`` states, and rarely in a code;
+* rotation ``x @ R`` (R = S.H64.S, ``kvcache/hadamard.py``) is the 6-stage Walsh-Hadamard
+  butterfly in float32 (``rotate_rows_fwht``; ``STORE_FWHT = False`` selects the older float32
+  FMA ``tl.dot``): every intermediate is a signed partial sum of the same exact +-1/8 terms, so it
+  equals torch's float32 matmul whenever that sum is exact in float32 (true for bf16/fp16 K/V
+  whose 64-group spans <= ~10 binades); otherwise the two may differ in the last ulp of a
+  rotated value, as ``hadamard.py`` states, and rarely in a code;
+* the 4-bit formats split each token's 64 rotated values into 8 slices of 8 words (``tl.split``
+  on a [token, word, j] view), so the E8 search (argmax as a strict-> scan = first maximum),
+  the parity fix, the sequential distance sum and the nibble packing are elementwise per word;
 * everything after the rotation is the reference's exact op sequence: float32 absmax, IEEE
   division by C (``div_rn``, not Triton's approximate ``/``), round-to-nearest-even fp16 scale
   (underflow -> 2^-24), IEEE ``z = x / s``, ``rint`` via the 1.5*2^23 trick (round half to even),
@@ -22,12 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.kernels.hadamard import rot64
+from ninfer.kernels.hadamard import rot64, rotate_rows_fwht
 from ninfer.kvcache.formats import GROUP, get_format
 
 # Format switch (constexpr): one compiled variant per format.
 FMT_COPY, FMT_INT8, FMT_RK4, FMT_E8 = 0, 1, 2, 3
-BLOCK_T = 16  # tl.dot needs M >= 16
+BLOCK_T = 16  # tokens per program (tl.dot needs M >= 16); all 64-groups of a row in one program
+BLOCK_T_COPY = 32
+STORE_FWHT = True  # rotation by butterfly (False: fp32 FMA tl.dot); module switch for the bench
 
 
 def fmt_code(fmt) -> int:
@@ -45,88 +52,132 @@ def _rint(x):
 
 
 @triton.jit
-def _nearest_even_in_box(y, BT: tl.constexpr):
-    """y [BT, 8 (j), 8 (w)] float32 -> (n int32 with even column sums, squared distance [BT, 8])."""
-    f = tl.minimum(tl.maximum(_rint(y), -8.0), 7.0)
-    r = y - f
-    t = tl.where(r >= 0, 1.0, -1.0)
-    t = tl.where((f + t > 7.0) | (f + t < -8.0), -t, t)  # box edge: inward neighbour
-    key = r * t
-    fi = f.to(tl.int32)
-    odd = (tl.sum(fi, axis=1) & 1) != 0
-    jmax = tl.argmax(key, axis=1, tie_break_left=True)  # first maximum = lowest j
-    jj = tl.arange(0, 8)[None, :, None]
-    move = (jj == jmax[:, None, :]) & odd[:, None, :]
-    n = fi + tl.where(move, t.to(tl.int32), 0)
-    e = y - n.to(tl.float32)
-    sq = e * e
-    d = tl.sum(tl.where(jj == 0, sq, 0.0), axis=1)
-    for k in tl.static_range(1, 8):  # sequential order, as the reference sums
-        d = d + tl.sum(tl.where(jj == k, sq, 0.0), axis=1)
-    return n, d
+def _split8(x):
+    """[..., 8 (w), 8 (j)] -> the 8 [..., 8 (w)] slices j = 0..7 (each thread owns its words' j's)."""
+    x = tl.reshape(x, (x.shape[0], x.shape[1], 2, 2, 2))  # j = 4 j2 + 2 j1 + j0, j0 last
+    a, b = tl.split(x)  # j0 = 0 / 1
+    a0, a1 = tl.split(a)  # j1
+    b0, b1 = tl.split(b)
+    y0, y4 = tl.split(a0)
+    y2, y6 = tl.split(a1)
+    y1, y5 = tl.split(b0)
+    y3, y7 = tl.split(b1)
+    return (y0, y1, y2, y3, y4, y5, y6, y7)
 
 
 @triton.jit
-def _pack_words(u, BT: tl.constexpr):
-    """Nibbles u [BT, 8 (j), 8 (w)] in [0, 15] -> int32 words [BT, 8]: nibble j at bits 4j."""
-    sh = (tl.arange(0, 8) * 4).to(tl.int64)[None, :, None]
-    return tl.sum(u.to(tl.int64) << sh, axis=1).to(tl.int32)
+def _nearest_even_in_box(ys, off):
+    """E8's D8 coset search per word, elementwise on 8 slices ys[j] - off ([BT, 8 (w)] float32):
+    -> (codes n_j int32 with an even sum, squared distance). Same keys, tie rules and the
+    sequential j = 0..7 distance sum as the reference (``e8.py``)."""
+    par = tl.zeros(ys[0].shape, tl.int32)
+    best = tl.full(ys[0].shape, -1.0, tl.float32)
+    bj = tl.zeros(ys[0].shape, tl.int32)
+    fs = ()
+    ts = ()
+    for j in tl.static_range(8):
+        y = ys[j] - off
+        f = tl.minimum(tl.maximum(_rint(y), -8.0), 7.0)
+        r = y - f
+        t = tl.where(r >= 0, 1.0, -1.0)
+        t = tl.where((f + t > 7.0) | (f + t < -8.0), -t, t)  # box edge: inward neighbour
+        key = r * t
+        if j == 0:
+            best = key
+        else:
+            upd = key > best  # strict: the first maximum (lowest j) wins, as argmax(tie_break_left)
+            best = tl.where(upd, key, best)
+            bj = tl.where(upd, j, bj)
+        fi = f.to(tl.int32)
+        par = par ^ (fi & 1)
+        fs = fs + (fi,)
+        ts = ts + (t.to(tl.int32),)
+    odd = par != 0
+    ns = ()
+    d = tl.zeros(ys[0].shape, tl.float32)
+    for j in tl.static_range(8):
+        n = fs[j] + tl.where(odd & (bj == j), ts[j], 0)
+        e = (ys[j] - off) - n.to(tl.float32)
+        if j == 0:
+            d = e * e
+        else:
+            d = d + e * e  # sequential order, as the reference sums
+        ns = ns + (n,)
+    return ns, d
 
 
 @triton.jit
-def _store_one(x_ptr, sxt, sxh, data_ptr, scale_ptr, rows, tok, valid, h, g, C,
-               FMT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr):
+def _store_group(x_ptr, sxt, sxh, data_ptr, scale_ptr, rows, tok, valid, h, g, C,
+                 FMT: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, FWHT: tl.constexpr):
+    """One 64-group of BT tokens: rotate, scale, quantize, pack, store."""
+    G: tl.constexpr = D // 64
+    d = tl.arange(0, 64)
+    m = valid[:, None]
+    x = tl.load(x_ptr + tok[:, None] * sxt + h * sxh + g * 64 + d[None, :], mask=m, other=0.0)
+    r = x.to(tl.float32)
+    if FMT != 1:
+        if FWHT:  # Walsh-Hadamard butterfly: 384 adds per row (see hadamard.py)
+            r = rotate_rows_fwht(r)
+        else:  # float32 operands, IEEE accumulation: exact +-1/8 products, no TF32.
+            r = tl.dot(r, rot64(tl.float32), input_precision="ieee")
+    amax = tl.max(tl.abs(r), axis=1)
+    raw = tl.minimum(tl.math.div_rn(amax, tl.full([BT], C, tl.float32)), 65504.0)
+    s = raw.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
+    s = tl.where((s == 0.0) & (amax > 0.0), 5.960464477539063e-08, s)  # 2^-24
+    tl.store(scale_ptr + rows * G + g, s.to(tl.float16), mask=valid)
+    pos = s > 0.0
+    z = tl.where(pos[:, None], tl.math.div_rn(r, tl.where(pos, s, 1.0)[:, None]), 0.0)
+    if FMT == 1:
+        q = tl.minimum(tl.maximum(_rint(z), -127.0), 127.0)
+        tl.store(data_ptr + rows[:, None] * D + g * 64 + d[None, :], q.to(tl.int8), mask=m)
+    else:
+        # coordinate 8j + w -> [token, w, j]; every word's 8 coordinates become 8 [BT, 8] slices,
+        # so the lattice search and the packing are elementwise (no cross-lane reductions).
+        zs = _split8(tl.permute(tl.reshape(z, (BT, 8, 8)), (0, 2, 1)))
+        if FMT == 2:
+            words = tl.zeros([BT, 8], tl.int32)
+            for j in tl.static_range(8):
+                u = tl.minimum(tl.maximum(_rint(zs[j]), -8.0), 7.0).to(tl.int32) + 8
+                words = words | (u << (4 * j))
+        else:
+            n0, d0 = _nearest_even_in_box(zs, 0.0)
+            n1, d1 = _nearest_even_in_box(zs, 0.5)
+            half = d1 < d0  # ties keep the integer coset
+            words = tl.zeros([BT, 8], tl.int32)
+            for j in tl.static_range(8):
+                u = tl.where(half, n1[j], n0[j]) + 8
+                if j == 7:
+                    u = (u & 0xE) | half.to(tl.int32)  # coset bit in nibble 7's low bit
+                words = words | (u << (4 * j))
+        w = tl.arange(0, 8)
+        tl.store(data_ptr + rows[:, None] * (D // 8) + g * 8 + w[None, :], words, mask=m)
+
+
+@triton.jit
+def _store_one(x_ptr, sxt, sxh, data_ptr, scale_ptr, rows, tok, valid, h, C,
+               FMT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr,
+               FWHT: tl.constexpr):
     if FMT == 0:
         # Unquantized: copy the whole row (any head_dim); the wrapper already cast to the plane dtype.
         d = tl.arange(0, BLOCK_D)
-        m = valid[:, None] & (d[None, :] < D)
+        if D == BLOCK_D:
+            m = valid[:, None]
+        else:
+            m = valid[:, None] & (d[None, :] < D)
         x = tl.load(x_ptr + tok[:, None] * sxt + h * sxh + d[None, :], mask=m, other=0.0)
         tl.store(data_ptr + rows[:, None] * D + d[None, :], x, mask=m)
     else:
-        G: tl.constexpr = D // 64
-        d = tl.arange(0, 64)
-        m = valid[:, None]
-        x = tl.load(x_ptr + tok[:, None] * sxt + h * sxh + g * 64 + d[None, :], mask=m, other=0.0)
-        r = x.to(tl.float32)
-        if FMT != 1:
-            # float32 operands, IEEE FMA accumulation: exact products, no TF32 (store is not hot).
-            r = tl.dot(r, rot64(tl.float32), input_precision="ieee")
-        amax = tl.max(tl.abs(r), axis=1)
-        raw = tl.minimum(tl.math.div_rn(amax, tl.full([BT], C, tl.float32)), 65504.0)
-        s = raw.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
-        s = tl.where((s == 0.0) & (amax > 0.0), 5.960464477539063e-08, s)  # 2^-24
-        tl.store(scale_ptr + rows * G + g, s.to(tl.float16), mask=valid)
-        pos = s > 0.0
-        z = tl.where(pos[:, None], tl.math.div_rn(r, tl.where(pos, s, 1.0)[:, None]), 0.0)
-        if FMT == 1:
-            q = tl.minimum(tl.maximum(_rint(z), -127.0), 127.0)
-            tl.store(data_ptr + rows[:, None] * D + g * 64 + d[None, :], q.to(tl.int8), mask=m)
-        else:
-            zb = tl.reshape(z, (BT, 8, 8))  # [token, j, w]: coordinate 8j + w
-            if FMT == 2:
-                n = tl.minimum(tl.maximum(_rint(zb), -8.0), 7.0).to(tl.int32)
-                u = n + 8
-            else:
-                n0, d0 = _nearest_even_in_box(zb, BT)
-                n1, d1 = _nearest_even_in_box(zb - 0.5, BT)
-                half = d1 < d0  # ties keep the integer coset
-                u = tl.where(half[:, None, :], n1, n0) + 8
-                jj = tl.arange(0, 8)[None, :, None]
-                c = half.to(tl.int32)[:, None, :]
-                u = tl.where(jj == 7, (u & 0xE) | c, u)  # coset bit in nibble 7's low bit
-            words = _pack_words(u, BT)
-            w = tl.arange(0, 8)
-            tl.store(data_ptr + rows[:, None] * (D // 8) + g * 8 + w[None, :], words, mask=m)
+        for g in range(0, D // 64):  # all groups of the row in one program (amortises slots/rows)
+            _store_group(x_ptr, sxt, sxh, data_ptr, scale_ptr, rows, tok, valid, h, g, C, FMT, D, BT, FWHT)
 
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, skt, skh, svt, svh, kd_ptr, ks_ptr, vd_ptr, vs_ptr, slot_ptr,
                      T, HKV, C,
                      FMT: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-                     BT: tl.constexpr):
+                     BT: tl.constexpr, FWHT: tl.constexpr = True):
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
-    g = tl.program_id(2)
     tok = pid_t * BT + tl.arange(0, BT)
     inb = tok < T
     slot = tl.load(slot_ptr + tok, mask=inb, other=-1).to(tl.int64)
@@ -135,8 +186,8 @@ def _store_kv_kernel(k_ptr, v_ptr, skt, skh, svt, svh, kd_ptr, ks_ptr, vd_ptr, v
     # Row index of (page, head, offset) in a [pages, Hkv, PAGE, extent] plane.
     rows = ((slot // PAGE) * HKV + h) * PAGE + slot % PAGE
     tok = tok.to(tl.int64)
-    _store_one(k_ptr, skt, skh, kd_ptr, ks_ptr, rows, tok, valid, h, g, C, FMT, D, BLOCK_D, BT)
-    _store_one(v_ptr, svt, svh, vd_ptr, vs_ptr, rows, tok, valid, h, g, C, FMT, D, BLOCK_D, BT)
+    _store_one(k_ptr, skt, skh, kd_ptr, ks_ptr, rows, tok, valid, h, C, FMT, D, BLOCK_D, BT, FWHT)
+    _store_one(v_ptr, svt, svh, vd_ptr, vs_ptr, rows, tok, valid, h, C, FMT, D, BLOCK_D, BT, FWHT)
 
 
 def _check_plane(planes: dict, name: str, dtype: torch.dtype, hkv: int, extent: int, device) -> torch.Tensor:
@@ -196,10 +247,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch
         k = k.contiguous()
     if v.stride(2) != 1:
         v = v.contiguous()
-    groups = 1 if code == FMT_COPY else d // GROUP
-    grid = (triton.cdiv(t, BLOCK_T), hkv, groups)
+    bt = BLOCK_T_COPY if code == FMT_COPY else BLOCK_T
+    grid = (triton.cdiv(t, bt), hkv)
     _store_kv_kernel[grid](
         k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), kd, ks, vd, vs, slot_mapping,
         t, hkv, float(fmt.scale_divisor or 1.0),
-        FMT=code, D=d, BLOCK_D=triton.next_power_of_2(d), PAGE=page, BT=BLOCK_T, num_warps=4,
+        FMT=code, D=d, BLOCK_D=triton.next_power_of_2(d), PAGE=page, BT=bt, FWHT=STORE_FWHT, num_warps=4,
         enable_fp_fusion=False)  # no FMA contraction: every rounding as in the reference
