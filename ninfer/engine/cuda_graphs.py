@@ -22,6 +22,7 @@ prints as ``graphs=<observed>/<planned>``.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 
 import torch
@@ -80,6 +81,10 @@ class DecodeGraphs:
                 self._run(bs)
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
+        # torch.cuda.graph() empties the allocator's cache when it starts capturing; do it first
+        # so the warm-up's cached blocks are not counted as a negative graph footprint.
+        gc.collect()
+        torch.cuda.empty_cache()
         reserved0 = torch.cuda.memory_reserved(dev)
         free0 = torch.cuda.mem_get_info(dev)[0]
         pool = torch.cuda.graph_pool_handle()

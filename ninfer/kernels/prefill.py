@@ -32,6 +32,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ninfer.kernels.hadamard import rot64_word_order
 from ninfer.kernels.store_kv import FMT_COPY, FMT_E8, FMT_RK4, fmt_code
@@ -208,6 +209,10 @@ def _prefill_kernel(q_ptr, sqt, sqh, kd, ks, vd, vs, o_ptr, sot, soh, qsl_ptr, s
              mask=row_ok[:, None] & dm)
 
 
+# Tiles that had to shrink to fit shared memory, remembered so later calls launch at once.
+_FITTED_TILES: dict[tuple, tuple[int, int]] = {}
+
+
 def _default_tiles(code: int, d: int) -> tuple[int, int, int]:
     """(block_m, block_n, num_warps). Chosen without a GPU from sm_90 compiles (ptxas registers and
     spills, SASS instructions per key in the KV loop; docs/KERNELS.md "Store and prefill"), to be
@@ -306,12 +311,28 @@ def paged_prefill(q: torch.Tensor, k_planes, v_planes, query_start_loc: torch.Te
         raise ValueError(f"paged_prefill: block_m {block_m} / block_n {block_n} must be powers of 2, block_n >= 16")
     block_t = max(1, block_m // gp)
     block_d = triton.next_power_of_2(d)
-    grid = (triton.cdiv(int(max_query_len), block_t), b, hkv)
-    _prefill_kernel[grid](
-        q, q.stride(0), q.stride(1), kd, ks, vd, vs, kout, kout.stride(0), kout.stride(1),
-        query_start_loc, seq_lens, block_tables, block_tables.stride(0), hkv, float(scale) * math.log2(math.e),
-        FMT=code, ROTATED=fmt.rotated, GQA=gqa, GP=gp, BLOCK_T=block_t, D=d, BLOCK_D=block_d, PAGE=page,
-        BLOCK_N=block_n, DT=tl.float32 if dot_f32 else op_dt, DOT_F32=dot_f32, num_warps=num_warps)
+    key = (code, d, kd.dtype, gp, dot_f32, block_t, block_n, num_warps)
+    block_t, block_n = _FITTED_TILES.get(key, (block_t, block_n))
+    while True:
+        grid = (triton.cdiv(int(max_query_len), block_t), b, hkv)
+        try:
+            _prefill_kernel[grid](
+                q, q.stride(0), q.stride(1), kd, ks, vd, vs, kout, kout.stride(0), kout.stride(1),
+                query_start_loc, seq_lens, block_tables, block_tables.stride(0), hkv,
+                float(scale) * math.log2(math.e), FMT=code, ROTATED=fmt.rotated, GQA=gqa, GP=gp,
+                BLOCK_T=block_t, D=d, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
+                DT=tl.float32 if dot_f32 else op_dt, DOT_F32=dot_f32, num_warps=num_warps)
+            _FITTED_TILES[key] = (block_t, block_n)
+            break
+        except OutOfResources:
+            # Seen on the H200 (2026-11-30): fp32 planes at D=256 with the default tiles need
+            # 246 KB of shared memory (limit 232 KB). Halve the key tile, then the query tile.
+            if block_n > 16:
+                block_n //= 2
+            elif block_t > 1:
+                block_t //= 2
+            else:
+                raise
     if kout is not final:
         final.copy_(kout)
     return final
