@@ -19,25 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels.hadamard import rot64
+
 GROUP = 64
-
-
-@triton.jit
-def _parity6(p):
-    p = p ^ (p >> 4)
-    p = p ^ (p >> 2)
-    p = p ^ (p >> 1)
-    return p & 1
-
-
-@triton.jit
-def _rot_tile(DTYPE: tl.constexpr):
-    """The format's rotation R = S.H64.S (``ninfer/kvcache/hadamard.py``), entries +-1/8 (exact),
-    from indices: sign = parity(i & j) ^ f(i) ^ f(j), f(x) = parity((x & (x >> 1)) & 0b010101)."""
-    i = tl.arange(0, 64)[:, None]
-    j = tl.arange(0, 64)[None, :]
-    p = _parity6(i & j) ^ _parity6((i & (i >> 1)) & 21) ^ _parity6((j & (j >> 1)) & 21)
-    return tl.where(p == 1, -0.125, 0.125).to(DTYPE)
 
 
 @triton.jit
@@ -69,7 +53,7 @@ def _decode_reduce_kernel(MO, ML, OUT, S,
     out = acc / tl.where(l > 0, l, 1.0)
     if ROTATED:
         # out_nat[i] = sum_j out_rot[j] R[j, i]: a [64] x [64, 64] product, broadcast in registers.
-        out = tl.sum(out[:, None] * _rot_tile(tl.float32), axis=0)
+        out = tl.sum(out[:, None] * rot64(tl.float32), axis=0)
     tl.store(OUT + r * so_r + offs_d, out.to(OUT.dtype.element_ty), mask=dmask)
 
 

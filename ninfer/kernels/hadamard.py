@@ -58,7 +58,7 @@ def _parity(p):
 
 
 @triton.jit
-def _rot_entry(i, j):
+def rot_entry(i, j):
     """R[i, j] for broadcastable int32 index tensors in [0, 64)."""
     fi = _parity((i & (i >> 1)) & 0x15)  # the format's bent sign function f
     fj = _parity((j & (j >> 1)) & 0x15)
@@ -68,7 +68,7 @@ def _rot_entry(i, j):
 @triton.jit
 def rot64(DTYPE: tl.constexpr):
     """R as a [64, 64] tile (symmetric, so also R^T)."""
-    return _rot_entry(tl.arange(0, 64)[:, None], tl.arange(0, 64)[None, :]).to(DTYPE)
+    return rot_entry(tl.arange(0, 64)[:, None], tl.arange(0, 64)[None, :]).to(DTYPE)
 
 
 @triton.jit
@@ -77,9 +77,9 @@ def rot64_word_order(TRANSPOSED: tl.constexpr, DTYPE: tl.constexpr):
     a = tl.arange(0, 64)[:, None]
     b = tl.arange(0, 64)[None, :]
     if TRANSPOSED:
-        r = _rot_entry(8 * (a % 8) + a // 8, b)  # rows e, columns i
+        r = rot_entry(8 * (a % 8) + a // 8, b)  # rows e, columns i
     else:
-        r = _rot_entry(a, 8 * (b % 8) + b // 8)  # rows i, columns e
+        r = rot_entry(a, 8 * (b % 8) + b // 8)  # rows i, columns e
     return r.to(DTYPE)
 
 

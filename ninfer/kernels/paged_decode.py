@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.decode_reduce import decode_reduce
+from ninfer.kernels.hadamard import rot_entry
 from ninfer.kvcache.formats import GROUP, get_format
 
 from ninfer.kernels._common import FMT_E8, FMT_INT8, FMT_PLAIN, FMT_RK4, LOG2E, SM_COUNT as _SM_COUNT, fmt_code  # noqa: F401
@@ -55,22 +56,6 @@ from ninfer.kernels.paged_decode_cuda import (_CUDA, _CUDA_FMT, _CUDA_SRC, CUDA_
 
 
 # ----------------------------------------------------------------------------- device helpers
-@triton.jit
-def _parity6(p):
-    p = p ^ (p >> 4)
-    p = p ^ (p >> 2)
-    p = p ^ (p >> 1)
-    return p & 1
-
-
-@triton.jit
-def _hval(j, i):
-    """R[j, i] of the format's rotation R = S.H64.S (``ninfer/kvcache/hadamard.py``) as float32:
-    +-1/8 with sign parity(j & i) ^ f(j) ^ f(i), f(x) = parity((x & (x >> 1)) & 0b010101)."""
-    p = _parity6(j & i) ^ _parity6((j & (j >> 1)) & 21) ^ _parity6((i & (i >> 1)) & 21)
-    return tl.where(p == 1, -0.125, 0.125)
-
-
 @triton.jit
 def _e8_features(w, fcol):
     """Per-word E8 features; w uint32 [..., 16] where column f holds word f % 8.
@@ -187,8 +172,8 @@ def _paged_decode_split_kernel(
         # Q: natural [G, 64, M] -> rotated and permuted per byte column, exact fp32 dots.
         q3 = tl.load(q_base + og[:, None, None] * 64 + oj[None, :, None] + offs_m[None, None, :] * sq_h,
                      mask=gmask[:, None, None] & mmask[None, None, :], other=0.0).to(tl.float32)
-        h_lo = _hval(oj[None, :], dim_lo[:, None])          # [32, 64]: row c = H64 column dim_lo(c)
-        h_hi = _hval(oj[None, :], dim_lo[:, None] + 8)
+        h_lo = rot_entry(oj[None, :], dim_lo[:, None])          # [32, 64]: row c = H64 column dim_lo(c)
+        h_hi = rot_entry(oj[None, :], dim_lo[:, None] + 8)
         qlo = tl.dot(tl.broadcast_to(h_lo[None, :, :], [BLOCK_G, 32, 64]), q3, input_precision="ieee")
         qhi = tl.dot(tl.broadcast_to(h_hi[None, :, :], [BLOCK_G, 32, 64]), q3, input_precision="ieee")
         qlo = qlo.to(tl.float16)
@@ -200,7 +185,7 @@ def _paged_decode_split_kernel(
             wf = of[:, None] % 8
             h_f = tl.zeros([16, 64], tl.float32)
             for jj in tl.static_range(8):
-                h_f += tl.where((of[:, None] >= 8) | (jj == 7), _hval(oj[None, :], 8 * jj + wf), 0.0)
+                h_f += tl.where((of[:, None] >= 8) | (jj == 7), rot_entry(oj[None, :], 8 * jj + wf), 0.0)
             qf = tl.dot(tl.broadcast_to(h_f[None, :, :], [BLOCK_G, 16, 64]), q3,
                         input_precision="ieee").to(tl.float16)  # [G, 16, M]
             accf = tl.zeros([BLOCK_G, BLOCK_M, 16], tl.float32)

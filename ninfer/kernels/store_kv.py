@@ -27,22 +27,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels._common import FMT_E8, FMT_PLAIN, FMT_RK4, fmt_code
 from ninfer.kernels.hadamard import rot64, rotate_rows_fwht
 from ninfer.kvcache.formats import GROUP, get_format
 
-# Format switch (constexpr): one compiled variant per format.
-FMT_COPY, FMT_INT8, FMT_RK4, FMT_E8 = 0, 1, 2, 3
+# Format switch (constexpr): one compiled variant per format; FMT_COPY = unquantized planes.
+FMT_COPY = FMT_PLAIN
 BLOCK_T = 16  # tokens per program (tl.dot needs M >= 16); all 64-groups of a row in one program
 BLOCK_T_COPY = 32
 STORE_FWHT = True  # rotation by butterfly (False: fp32 FMA tl.dot); module switch for the bench
-
-
-def fmt_code(fmt) -> int:
-    if not fmt.has_scales:
-        return FMT_COPY
-    if fmt.e8_lattice:
-        return FMT_E8
-    return FMT_RK4 if fmt.packed else FMT_INT8
 
 
 @triton.jit
