@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -97,6 +96,7 @@ def store_case(fmt_name, hkv, d, tokens, bw, gen, compare_dot=True):
 def prefill_case(fmt_name, hq, hkv, d, ctx, chunk, gen, sweep_until):
     import torch
 
+    from ninfer.bench.kernels import random_planes
     from ninfer.kernels.prefill import _default_tiles, fmt_code, paged_prefill, paged_prefill_ref
     from ninfer.kvcache.formats import get_format
 
@@ -104,18 +104,7 @@ def prefill_case(fmt_name, hq, hkv, d, ctx, chunk, gen, sweep_until):
     dev = torch.device(DEV)
     seq = ctx + chunk
     npages = -(-seq // PAGE)
-    planes = {}
-    for pl in fmt.planes(d, torch.bfloat16):
-        shape = (npages, hkv, PAGE, pl.extent)
-        if pl.name.endswith("_scale"):
-            t = torch.empty(shape, dtype=torch.float16, device=dev).uniform_(0.02, 0.12, generator=gen)
-        elif pl.dtype == torch.uint8:
-            t = torch.randint(0, 256, shape, dtype=torch.uint8, device=dev, generator=gen)
-        elif pl.dtype == torch.int8:
-            t = torch.randint(-127, 128, shape, dtype=torch.int8, device=dev, generator=gen)
-        else:
-            t = torch.randn(shape, dtype=pl.dtype, device=dev, generator=gen)
-        planes[pl.name] = t
+    planes = random_planes(fmt, d, hkv, npages, dev, gen)
     kp, vp = (planes["k"], planes.get("k_scale")), (planes["v"], planes.get("v_scale"))
     table = torch.randperm(npages, device=dev, generator=gen).to(torch.int32)[None, :].contiguous()
     q = torch.randn(chunk, hq, d, device=dev, generator=gen).to(torch.bfloat16)

@@ -94,6 +94,25 @@ def copy_bandwidth(rep_ms: int) -> float:
 
 
 # ----------------------------------------------------------------------------- data
+
+def random_planes(fmt, d: int, hkv: int, num_pages: int, dev, gen) -> dict:
+    """Random pool planes of a format (valid codes, realistic fp16 scales): timing data, never zeros."""
+    import torch
+
+    planes = {}
+    for pl in fmt.planes(d, torch.bfloat16):
+        shape = (num_pages, hkv, PAGE, pl.extent)
+        if pl.name.endswith("_scale"):
+            t = torch.empty(shape, dtype=torch.float16, device=dev).uniform_(0.02, 0.12, generator=gen)
+        elif pl.dtype == torch.uint8:
+            t = torch.randint(0, 256, shape, dtype=torch.uint8, device=dev, generator=gen)
+        elif pl.dtype == torch.int8:
+            t = torch.randint(-127, 128, shape, dtype=torch.int8, device=dev, generator=gen)
+        else:
+            t = torch.randn(shape, dtype=pl.dtype, device=dev, generator=gen)
+        planes[pl.name] = t
+    return planes
+
 class DecodeCase:
     """R disjoint page sets of B sequences of length L (random page order) in one pool per format."""
 
@@ -109,18 +128,7 @@ class DecodeCase:
         gen = torch.Generator(device=dev).manual_seed(seed)
         pages_per_seq = math.ceil(ctx / PAGE)
         num_pages = pages_per_seq * batch * sets
-        self.planes = {}
-        for pl in self.fmt.planes(d, torch.bfloat16):
-            shape = (num_pages, hkv, PAGE, pl.extent)
-            if pl.name.endswith("_scale"):
-                t = torch.empty(shape, dtype=torch.float16, device=dev).uniform_(0.02, 0.12, generator=gen)
-            elif pl.dtype == torch.uint8:
-                t = torch.randint(0, 256, shape, dtype=torch.uint8, device=dev, generator=gen)
-            elif pl.dtype == torch.int8:
-                t = torch.randint(-127, 128, shape, dtype=torch.int8, device=dev, generator=gen)
-            else:
-                t = torch.randn(shape, dtype=pl.dtype, device=dev, generator=gen)
-            self.planes[pl.name] = t
+        self.planes = random_planes(self.fmt, d, hkv, num_pages, dev, gen)
         perm = torch.randperm(num_pages, device=dev, generator=gen).to(torch.int32)
         self.tables = [perm[i * batch * pages_per_seq:(i + 1) * batch * pages_per_seq].view(batch, pages_per_seq)
                        .contiguous() for i in range(sets)]

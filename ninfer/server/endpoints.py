@@ -8,7 +8,7 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -128,6 +128,23 @@ def _check_n(n: int, prompts: int = 1) -> None:
                        param="n")
 
 
+async def _respond(sv: OpenAIServing, raw: Request, req: Any, parent: Any, choices: list[Choice],
+                   stream: Callable[..., AsyncIterator[str]], make_choice: Callable[..., Awaitable[Any]],
+                   response_cls: type) -> Any:
+    """The tail shared by chat and completions: an SSE stream, or wait for every choice and answer once."""
+    model, created = sv.config.served_model_name, int(time.time())
+    if req.stream:
+        return StreamingResponse(stream(sv, req, choices, parent.request_id, model, created),
+                                 media_type="text/event-stream", headers=_SSE_HEADERS,
+                                 background=BackgroundTask(_close_all, sv, choices))
+    lasts = await sv.run_until_done(raw, [(c.stream, c.tracker) for c in choices])
+    if lasts is None:
+        return Response(status_code=499)   # the client is gone; nothing will read this
+    out = [await make_choice(ch, last) for ch, last in zip(choices, lasts)]
+    resp = response_cls(id=parent.request_id, created=created, model=model, usage=_usage(choices), choices=out)
+    return JSONResponse(resp.model_dump())
+
+
 # ------------------------------------------------------------------------------------ chat
 
 
@@ -155,21 +172,13 @@ async def create_chat_completion(sv: OpenAIServing, req: ChatCompletionRequest, 
     except APIError as e:
         _refused(sv, parent, choices, e)
         raise
-    model, created = sv.config.served_model_name, int(time.time())
-    if req.stream:
-        return StreamingResponse(_chat_stream(sv, req, choices, parent.request_id, model, created),
-                                 media_type="text/event-stream", headers=_SSE_HEADERS,
-                                 background=BackgroundTask(_close_all, sv, choices))
-    lasts = await sv.run_until_done(raw, [(c.stream, c.tracker) for c in choices])
-    if lasts is None:
-        return Response(status_code=499)   # the client is gone; nothing will read this
-    out = []
-    for ch, last in zip(choices, lasts):
+
+    async def make_choice(ch: Choice, last: Any) -> ChatChoice:
         logprobs = await _chat_logprobs(sv, *_new_logprobs(last, len(last.token_ids))) if req.logprobs else None
-        out.append(ChatChoice(index=ch.index, message=ChatResponseMessage(content=last.text), logprobs=logprobs,
-                              finish_reason=last.finish_reason))
-    resp = ChatCompletionResponse(id=parent.request_id, created=created, model=model, usage=_usage(choices), choices=out)
-    return JSONResponse(resp.model_dump())
+        return ChatChoice(index=ch.index, message=ChatResponseMessage(content=last.text), logprobs=logprobs,
+                          finish_reason=last.finish_reason)
+
+    return await _respond(sv, raw, req, parent, choices, _chat_stream, make_choice, ChatCompletionResponse)
 
 
 async def _chat_stream(sv: OpenAIServing, req: ChatCompletionRequest, choices: list[Choice], rid: str,
@@ -245,23 +254,15 @@ async def create_completion(sv: OpenAIServing, req: CompletionRequest, raw: Requ
     except APIError as e:
         _refused(sv, parent, choices, e)
         raise
-    model, created = sv.config.served_model_name, int(time.time())
-    if req.stream:
-        return StreamingResponse(_completion_stream(sv, req, choices, parent.request_id, model, created),
-                                 media_type="text/event-stream", headers=_SSE_HEADERS,
-                                 background=BackgroundTask(_close_all, sv, choices))
-    lasts = await sv.run_until_done(raw, [(c.stream, c.tracker) for c in choices])
-    if lasts is None:
-        return Response(status_code=499)   # the client is gone; nothing will read this
-    out = []
-    for ch, last in zip(choices, lasts):
+
+    async def make_choice(ch: Choice, last: Any) -> CompletionChoice:
         logprobs = None
         if req.logprobs is not None:
             logprobs = await _completion_logprobs(sv, *_new_logprobs(last, len(last.token_ids)), len(ch.echo))
-        out.append(CompletionChoice(index=ch.index, text=ch.echo + last.text, logprobs=logprobs,
-                                    finish_reason=last.finish_reason))
-    resp = CompletionResponse(id=parent.request_id, created=created, model=model, usage=_usage(choices), choices=out)
-    return JSONResponse(resp.model_dump())
+        return CompletionChoice(index=ch.index, text=ch.echo + last.text, logprobs=logprobs,
+                                finish_reason=last.finish_reason)
+
+    return await _respond(sv, raw, req, parent, choices, _completion_stream, make_choice, CompletionResponse)
 
 
 async def _completion_stream(sv: OpenAIServing, req: CompletionRequest, choices: list[Choice], rid: str,
