@@ -17,6 +17,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "kernels": ("ninfer.bench.kernels", "attention/store kernel timings vs copy bandwidth (GPU)"),
     "needle": ("ninfer.bench.needle", "needle-in-a-haystack grid per kv-dtype x context x depth"),
     "sanity": ("ninfer.bench.sanity", "fixed prompts vs an int8 control"),
+    "kl": ("ninfer.bench.kl", "next-token KL of each kv-dtype against bf16 KV"),
     "matched": ("ninfer.bench.matched", "same model and prompt, only --kv-dtype differs"),
     "sweep": ("ninfer.bench.sweep", "prefill/decode speed from 32K to the largest context"),
     "memory": ("ninfer.bench.memory", "planned vs allocated vs device-peak memory"),

@@ -16,8 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ninfer import LLM, SamplingParams  # noqa: E402
-from ninfer.engine.request import Request  # noqa: E402
+from ninfer import LLM  # noqa: E402
+from ninfer.bench.kl import compare, teacher_forced  # noqa: E402
 
 FORMATS = ("bf16", "int8", "rk4v4", "rk4v4-e8")
 GEOMETRIES = {
@@ -39,47 +39,16 @@ def _prompts(vocab: int = 380) -> list[list[int]]:
 
 def _run(path: Path, kv_dtype: str, prompts: list[list[int]], forced: list[list[int]] | None
          ) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy generation; with `forced`, each request follows those tokens (teacher forcing).
-    Returns tokens and the float32 logits [NEW_TOKENS, V] of every step, per prompt."""
     llm = LLM(str(path), kv_dtype=kv_dtype, device="cpu", max_context=512, kv_capacity=2048,
               max_num_batched_tokens=128)  # chunked prefill: later chunks read earlier chunks' stored KV
-    rows: dict[str, list[torch.Tensor]] = {}
-    index: dict[str, int] = {}
-
-    def hook(reqs: list[Request], logits: torch.Tensor) -> None:
-        for j, r in enumerate(reqs):
-            rows.setdefault(r.request_id, []).append(logits[j].clone())
-            if forced is not None:
-                logits[j] = -1e30  # finite: non-finite rows are finished as errors
-                logits[j, forced[index[r.request_id]][r.num_output_tokens]] = 0.0
-
-    llm.engine.logits_hook = hook
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        index[f"kl-{i}"] = i
-        llm.engine.add_request(f"kl-{i}", p, params)
-    done: dict[str, list[int]] = {}
-    while llm.engine.has_unfinished_requests():
-        for out in llm.engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    ids = [f"kl-{i}" for i in range(len(prompts))]
-    return [done[r] for r in ids], [torch.stack(rows[r]) for r in ids]
+    return teacher_forced(llm, prompts, NEW_TOKENS, forced)
 
 
 def kl_table(path: Path, formats: tuple[str, ...] = FORMATS) -> dict[str, dict[str, float]]:
     """Per format: mean and max next-token KL(ref || fmt) in nats, and greedy top-1 agreement."""
     prompts = _prompts()
     ref_tokens, ref_logits = _run(path, "auto", prompts, None)
-    ref_lp = torch.log_softmax(torch.cat(ref_logits), -1)
-    out: dict[str, dict[str, float]] = {}
-    for fmt in formats:
-        _, logits = _run(path, fmt, prompts, ref_tokens)
-        lp = torch.log_softmax(torch.cat(logits), -1)
-        kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1).clamp_min(0)
-        out[fmt] = {"mean_kl": float(kl.mean()), "max_kl": float(kl.max()),
-                    "top1": float((lp.argmax(-1) == ref_lp.argmax(-1)).float().mean()), "n": int(kl.numel())}
-    return out
+    return {fmt: compare(ref_logits, _run(path, fmt, prompts, ref_tokens)[1]) for fmt in formats}
 
 
 @pytest.fixture(autouse=True, scope="module")

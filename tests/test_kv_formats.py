@@ -199,3 +199,23 @@ def test_bench_codec_json_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     assert snr["rk4v4-e8"]["bits_per_value"] == 4.25 and snr["int8"]["bits_per_value"] == 8.25
     assert snr["rk4v4-e8"]["gauss"] > snr["rk4v4"]["gauss"] > snr["ref:seed-collapsed-e8"]["gauss"]
     assert abs(snr["bound:shannon@4"]["gauss"] - 24.08) < 1e-9
+
+
+def test_bench_codec_model_per_head(tiny_checkpoint, capsys: pytest.CaptureFixture[str]) -> None:
+    """--model: real K/V from transformers' cache, pooled and per (layer, KV head); every head of a
+    random-weight model is near-Gaussian after the rotation, so each sits near the gauss figures."""
+    import argparse
+    import json
+    from ninfer.bench import codec
+    path = tiny_checkpoint(kv_heads=2, heads=4, head_dim=64)
+    p = argparse.ArgumentParser()
+    codec.add_arguments(p)
+    assert codec.run(p.parse_args(["--json", "--samples", "256", "--model", str(path)])) == 0
+    out = json.loads(capsys.readouterr().out)
+    heads = out["per_head_snr_db"]
+    assert set(heads) == {"model-k", "model-v"}
+    assert sorted(heads["model-k"]) == ["L0H0", "L0H1", "L1H0", "L1H1"]
+    for rows in heads.values():
+        for r in rows.values():
+            assert r["int8"] > 38 and 19.5 < r["rk4v4"] < r["rk4v4-e8"] < 22.5, r
+    assert out["values"]["model-k"] == 2 * 2 * 128 * 64  # layers x heads x tokens x head_dim

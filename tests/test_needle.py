@@ -58,8 +58,6 @@ def test_bundled_probe_4k_answers_form(kv_dtype: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _HAVE_MODEL, reason="no bundled probe model")
-@pytest.mark.xfail(strict=True, reason="the shipped checkpoint (2026-11-30 run 3) does not retrieve yet "
-                   "(docs/BENCHMARKS.md, Probe model); strict: remove this mark when one that does ships")
 @pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "rk4v4-e8"])
 def test_bundled_probe_needles_4k(kv_dtype: str) -> None:
     rows = _rows(kv_dtype)

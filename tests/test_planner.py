@@ -71,31 +71,31 @@ def test_plan_terms_by_hand():
     assert p.page_bytes == 1088 * 64 == 69_632
     assert p.workspace_bytes == 10_065_664                                   # test_workspace_by_hand summed
     assert p.page_table_bytes == 4 * (131072 // 64) * 4 == 32_768           # 4 seqs x 2048 pages x int32
-    assert p.rope_table_bytes == 131072 * 128 * 4 == 67_108_864
+    assert not hasattr(p, "rope_table_bytes")  # cos/sin are computed per step, no table
     assert p.graph_bytes == 0                                                # CPU
     assert p.headroom_bytes == HALF_GIB // 10 == 53_687_091
-    room = HALF_GIB - 123_701_248 - 10_065_664 - 53_687_091 - 32_768 - 67_108_864   # 282,275,277 for KV
-    assert p.num_pages == room // 69_632 == 4053
-    assert p.capacity_tokens == 4053 * 64 == 259_392 and p.kv_bytes == 4053 * 69_632
+    room = HALF_GIB - 123_701_248 - 10_065_664 - 53_687_091 - 32_768   # 349,384,141 for KV
+    assert p.num_pages == room // 69_632 == 5017
+    assert p.capacity_tokens == 5017 * 64 == 321_088 and p.kv_bytes == 5017 * 69_632
     assert p.capacity_mode == "auto"
     # Every byte is accounted for: weights + runtime + headroom + slack == free.
     assert p.weights_bytes + p.runtime_bytes + p.headroom_bytes + p.slack_bytes == p.free_bytes
     assert 0 <= p.slack_bytes < p.page_bytes
-    # Largest context: (free - weights - workspace - headroom) // (page + 4 seqs*4 B + 64 rope rows*512 B)
-    assert p.largest_context == (HALF_GIB - 123_701_248 - 10_065_664 - 53_687_091) // (69_632 + 16 + 32_768) * 64
-    assert p.largest_context == 218_304
+    # Largest context: (free - weights - workspace - headroom) // (page + 4 seqs x 4 B of page table)
+    assert p.largest_context == (HALF_GIB - 123_701_248 - 10_065_664 - 53_687_091) // (69_632 + 16) * 64
+    assert p.largest_context == 321_024
 
 
 def test_refusal_gives_needed_available_and_largest():
     with pytest.raises(ContextDoesNotFit) as ei:
-        tiny_plan(max_context=262144)
+        tiny_plan(max_context=393216)
     e = ei.value
     assert isinstance(e, ValueError)
-    needed = 123_701_248 + 10_065_664 + 53_687_091 + 4 * 4096 * 4 + 262144 * 512 + 4096 * 69_632
-    assert e.needed_bytes == needed == 606_949_939
-    assert e.available_bytes == HALF_GIB and e.largest_context == 218_304
+    needed = 123_701_248 + 10_065_664 + 53_687_091 + 4 * 6144 * 4 + 6144 * 69_632
+    assert e.needed_bytes == needed == 615_371_315
+    assert e.available_bytes == HALF_GIB and e.largest_context == 321_024
     msg = str(e)
-    for s in ("606949939", "536870912", "218304 tokens", "rk4v4-e8", "max_context=262144"):
+    for s in ("615371315", "536870912", "321024 tokens", "rk4v4-e8", "max_context=393216"):
         assert s in msg
 
 
@@ -134,8 +134,8 @@ def test_explicit_capacity():
     with pytest.raises(ValueError, match="smaller than max_context") as ei:
         tiny_plan(kv_capacity=1000)
     assert not isinstance(ei.value, ContextDoesNotFit)
-    with pytest.raises(ContextDoesNotFit, match="kv_capacity=300032 tokens"):
-        tiny_plan(kv_capacity=300_000)     # > 4053 pages of room
+    with pytest.raises(ContextDoesNotFit, match="kv_capacity=330048 tokens"):
+        tiny_plan(kv_capacity=330_000)     # > 5017 pages of room
 
 
 def test_auto_is_capped_at_every_sequence_full_length():
@@ -180,8 +180,8 @@ def test_capacity_line_format():
     p = tiny_plan()
     m = LINE.match(p.capacity_line())
     assert m, p.capacity_line()
-    assert m.groups()[:4] == ("auto", "259392", "4053", "1088") and m.group(5) == "-"
-    assert "runtime=342.78 MiB" in p.capacity_line()   # 282218496 + 32768 + 67108864 + 10065664 = 359425792 B
+    assert m.groups()[:4] == ("auto", "321088", "5017", "1088") and m.group(5) == "-"
+    assert "runtime=342.79 MiB" in p.capacity_line()   # 349343744 + 32768 + 10065664 = 359442176 B
     q = p.with_observed(graph_bytes=12 * 2**20, free_after_startup=GiB + GiB // 4)
     line = q.capacity_line()
     assert LINE.match(line) and "graphs=12.00 MiB/0.00 MiB" in line and "free-after-startup=1.25 GiB" in line

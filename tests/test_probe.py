@@ -85,7 +85,7 @@ def test_tiny_training_writes_loadable_hf_dir(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from ninfer.probe import train
     out = tmp_path / "probe"
-    assert train.main(["--out", str(out), "--tiny", "--minutes", "0.1", "--device", "cpu", "--workers", "0",
+    assert train.main(["--out", str(out), "--tiny", "--minutes", "0.1", "--device", "cpu",
                        "--eval-lengths", "256", "--eval-docs", "1", "--eval-minutes", "0.5"]) == 0
     files = sorted(p.name for p in out.iterdir())
     assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= set(files)
@@ -117,8 +117,6 @@ def test_bundled_probe_shape_and_files() -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _HAVE_MODEL, reason="no bundled probe model")
-@pytest.mark.xfail(strict=True, reason="the shipped checkpoint (2026-11-30 run 3) does not retrieve yet "
-                   "(docs/BENCHMARKS.md, Probe model); strict: remove this mark when one that does ships")
 def test_bundled_probe_retrieves_5_of_5_at_4k() -> None:
     """The shipped model, in fp32 with transformers on CPU: five needles at 10/25/50/75/90% of a
     4K document, each asked on its own, all answered exactly (answer + end token)."""
@@ -127,3 +125,26 @@ def test_bundled_probe_retrieves_5_of_5_at_4k() -> None:
     hay = data.bench_haystack(4096, 0, encoder(tk))
     rows = eval_document(model, encoder(tk), hay, "cpu")
     assert [r["exact"] for r in rows] == [True] * 5, rows
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_token_bank_documents_equal_tokenized_text(tok, seed: int) -> None:
+    """Training rows built from ids are exactly what the tokenizer makes of their text, and every
+    answer turn names a needle of its document with that needle's value."""
+    import re
+    import numpy as np
+    from ninfer.probe.batches import TokenBank
+    bank = TokenBank(tok, n_sentences=500, seed=seed)
+    rng = np.random.default_rng(seed)
+    for L, n in ((192, 2), (700, 5)):
+        ids, pos, w, seg = bank.document(rng, L, n, gap_mult=4.0, lm_weight=0.02, doc_id=1)
+        assert len(ids) <= L and (np.diff(pos) >= 1).all()
+        text = tok.decode(ids.tolist(), skip_special_tokens=False)
+        assert tok.encode(text).ids == ids.tolist()
+        needles = dict(re.findall(r"The secret code for (\w+) is (\d{4})\.", text.split(data.ASSISTANT)[0]))
+        assert len(needles) == n
+        answers = [tok.decode(ids[seg == s].tolist(), skip_special_tokens=False) for s in np.unique(seg[seg > 0])]
+        assert len(answers) == n and all(w[seg > 0] == 1.0)
+        for a in answers:
+            k, v = re.fullmatch(r"The secret code for (\w+) is (\d{4})\.<\|end\|>", a).groups()
+            assert needles[k] == v

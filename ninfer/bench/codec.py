@@ -8,7 +8,8 @@ against the unquantized input, in the original (un-rotated) domain. Data sets:
   runs       N(0,1) plus an offset shared by all tokens that is constant over runs of 16 channels
              (structure aligned with Sylvester rows: what the format's sign pattern is for);
   (c) model-k / model-v  K (after RoPE and k-norm) and V of a real HF checkpoint (``--model``),
-             read from transformers' own cache after one forward pass over a fixed text.
+             read from transformers' own cache after one forward pass over a probe-style long
+             document (--samples / 2 tokens); also reported per layer and KV head.
 Besides the servable formats, reference codecs that are NOT formats: the seed lineage's collapsed
 E8 (E8 point of x/(absmax/7) rounded back to integers, no coset bit), a TurboQuant-like Lloyd-Max
 16-level quantizer with one fp16 norm per 128 rotated values, two rk4v4-e8 variants
@@ -63,9 +64,13 @@ def runs_data(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, 256, generator=g) + off
 
 
-def model_kv(model_dir: str, tokens: int, seed: int) -> dict[str, torch.Tensor]:
-    """K (post-RoPE, post k-norm) and V of every layer, as cached by transformers: [N, head_dim] each."""
+def model_kv(model_dir: str, tokens: int, seed: int) -> dict[str, list[torch.Tensor]]:
+    """K (post-RoPE, post k-norm) and V as cached by transformers after one forward pass over a
+    probe-style long document (needles in filler, ninfer.probe.data): per layer [kv_heads, N, head_dim]."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ninfer.probe import data
+    from ninfer.probe.evaluate import encoder
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     cfg = model.config
@@ -73,8 +78,8 @@ def model_kv(model_dir: str, tokens: int, seed: int) -> dict[str, torch.Tensor]:
     ids = None
     try:
         tok = AutoTokenizer.from_pretrained(model_dir)
-        text = " ".join(f"Record {i}: the key for item {i * 37 % 1000} is {i * 7919 % 100000}." for i in range(limit))
-        ids = tok(text, return_tensors="pt").input_ids[:, :limit]
+        hay = data.bench_haystack(limit, seed, encoder(tok))
+        ids = tok(data.chat_prompt(hay.text, hay.needles[0].key), return_tensors="pt").input_ids[:, :limit]
     except Exception:  # a checkpoint without a usable tokenizer
         ids = None
     if ids is None or ids.shape[-1] < 16:  # fixed random ids still give the model's real K/V
@@ -82,10 +87,19 @@ def model_kv(model_dir: str, tokens: int, seed: int) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
     cache = out.past_key_values
-    ks = [layer.keys for layer in cache.layers]
-    vs = [layer.values for layer in cache.layers]
-    flat = lambda ts: torch.cat([t.reshape(-1, t.shape[-1]) for t in ts]).float()  # noqa: E731
-    return {"model-k": flat(ks), "model-v": flat(vs)}
+    return {"model-k": [layer.keys[0].float() for layer in cache.layers],
+            "model-v": [layer.values[0].float() for layer in cache.layers]}
+
+
+def per_head_snr(kv: dict[str, list[torch.Tensor]], formats=("int8", "rk4v4", "rk4v4-e8")) -> dict[str, dict]:
+    """SNR per (K/V, layer, KV head) for the servable formats: {"model-k": {"L0H0": {fmt: dB}}}."""
+    out: dict[str, dict] = {}
+    for name, layers in kv.items():
+        for li, t in enumerate(layers):
+            for h in range(t.shape[0]):
+                x = t[h]
+                out.setdefault(name, {})[f"L{li}H{h}"] = {f: snr_db(x, _format_codec(f)(x)) for f in formats}
+    return out
 
 
 # ----------------------------------------------------------------------------- codecs
@@ -146,6 +160,8 @@ def lloyd_max_gauss(levels: int = 16, iters: int = 300) -> torch.Tensor:
 
 
 def turboquant_like(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[-1] % 128:
+        raise ValueError("one norm per 128 rotated values needs head_dim % 128 == 0")
     lv = lloyd_max_gauss().float()
     xr = rotate(x)
     blk = xr.reshape(x.shape[0], -1, 128)
@@ -210,12 +226,15 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.time()
     n = max(64, int(args.samples))
     datasets = {"gauss": gauss_data(n, args.seed), "heavy": heavy_data(n, args.seed), "runs": runs_data(n, args.seed)}
+    heads = None
     if args.model:
-        datasets.update(model_kv(args.model, tokens=max(16, n // 8), seed=args.seed))
+        kv = model_kv(args.model, tokens=max(16, n // 2), seed=args.seed)
+        datasets.update({k: torch.cat([t.reshape(-1, t.shape[-1]) for t in ts]) for k, ts in kv.items()})
+        heads = per_head_snr(kv)
     res = measure(datasets)
     out = {"samples": n, "seed": args.seed, "values": {k: int(v.numel()) for k, v in datasets.items()},
            "head_dim": {k: int(v.shape[-1]) for k, v in datasets.items()}, "snr_db": res,
-           "model": args.model, "seconds": round(time.time() - t0, 1)}
+           "model": args.model, "per_head_snr_db": heads, "seconds": round(time.time() - t0, 1)}
     if args.sweep_c:
         out["sweep_c_gauss"] = sweep_c(datasets["gauss"])
     if args.json:
@@ -227,6 +246,10 @@ def run(args: argparse.Namespace) -> int:
     for cname, row in res.items():
         cells = "".join(f"{_cell(cname, row[d]):>10}" for d in names)
         print(f"{cname:<24}{row['bits_per_value']:>11.3f}{cells}")
+    for name, rows in (heads or {}).items():
+        fmts = list(next(iter(rows.values())))
+        print(f"{name} SNR per layer/KV head (dB): " + "  ".join(
+            f"{lh} " + "/".join(f"{r[f]:.2f}" for f in fmts) for lh, r in rows.items()) + f"  ({'/'.join(fmts)})")
     if args.sweep_c:
         for name, sw in out["sweep_c_gauss"].items():
             print(f"C sweep gauss {name}: " + "  ".join(f"{c}:{v:.3f}" for c, v in sw.items()))

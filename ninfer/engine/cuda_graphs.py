@@ -74,7 +74,7 @@ class DecodeGraphs:
         # Dummy decode rows: attend to slot 0 of page 0 (a real page), store nothing.
         self.seq_lens.fill_(1)
         self.block_tables[:, 0] = 0
-        side = torch.cuda.Stream(dev)
+        side = _warmup_stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # warm-up outside capture: Triton compiles, lazy caches fill
             for bs in reversed(self.sizes):
@@ -124,6 +124,19 @@ class DecodeGraphs:
         # A view of the graph's static output: valid until the next replay (the runner consumes
         # it at once for the logits of the sampling rows).
         return self.outputs[bs][:b]
+
+
+_WARMUP_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _warmup_stream(dev: torch.device) -> torch.cuda.Stream:
+    """One warm-up stream per device for the whole process: torch keeps a cuBLAS workspace per
+    (handle, stream) until exit (32 MiB on Hopper), so a fresh stream per engine start made every
+    later start see 32 MiB less free memory (the frontier's second start was refused, 2026-11-30)."""
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    if idx not in _WARMUP_STREAMS:
+        _WARMUP_STREAMS[idx] = torch.cuda.Stream(idx)
+    return _WARMUP_STREAMS[idx]
 
 
 def capture_decode_graphs(runner, batch_sizes: list[int]) -> int:

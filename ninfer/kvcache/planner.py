@@ -22,14 +22,14 @@ Terms (all bytes; "context pages" = ceil(max_context / PAGE_SIZE)):
   kv            num_pages * PAGE_SIZE * bytes_per_token; bytes_per_token =
                 format.bytes_per_token_head(D) * num_kv_heads * full-attention layers
   page_tables   max_num_seqs * context pages * 4 (int32 block table, one row per running sequence)
-  rope_tables   max_context * D * 4 (cos and sin, fp32, D/2 each, per position)
   workspace     activations of the largest prefill chunk (see `activation_workspace`)
   graphs        decode CUDA-graph pool + its static block table (0 when eager or on CPU; `_graph_pool_bytes`)
   headroom      kept free for the allocator's fragmentation and library handles (1 GiB, or a tenth
                 of a small device)
-runtime = kv + page_tables + rope_tables + workspace + graphs; a plan fits when
-weights + runtime + headroom <= free. Everything but kv, page_tables and rope_tables is independent
-of the context, so the largest context that fits has a closed form (see `plan_memory`).
+runtime = kv + page_tables + workspace + graphs; a plan fits when weights + runtime + headroom
+<= free. Everything but kv and page_tables is independent of the context, so the largest context
+that fits has a closed form (see `plan_memory`). There is no RoPE table term: cos/sin are computed
+from the positions of each step (models/rope.py), inside the workspace.
 """
 from __future__ import annotations
 
@@ -172,7 +172,6 @@ class MemoryPlan:
     weights_bytes: int
     kv_bytes: int
     page_table_bytes: int
-    rope_table_bytes: int
     workspace_bytes: int
     graph_bytes: int              # planned CUDA-graph pool
     headroom_bytes: int
@@ -182,7 +181,7 @@ class MemoryPlan:
 
     @property
     def runtime_bytes(self) -> int:
-        return self.kv_bytes + self.page_table_bytes + self.rope_table_bytes + self.workspace_bytes + self.graph_bytes
+        return self.kv_bytes + self.page_table_bytes + self.workspace_bytes + self.graph_bytes
 
     @property
     def free_after_weights(self) -> int:
@@ -228,7 +227,7 @@ class MemoryPlan:
 
     def terms(self) -> dict[str, int]:
         return {"weights": self.weights_bytes, "kv": self.kv_bytes, "page_tables": self.page_table_bytes,
-                "rope_tables": self.rope_table_bytes, "workspace": self.workspace_bytes,
+                "workspace": self.workspace_bytes,
                 "graphs": self.graph_bytes, "headroom": self.headroom_bytes}
 
     def as_dict(self) -> dict[str, Any]:
@@ -274,17 +273,16 @@ def plan_memory(model: ModelConfig, *, kv_dtype: str, total_bytes: int, free_byt
     use_graphs = not enforce_eager and device_type == "cuda"
     graph_pool = _graph_pool_bytes(model, act, max_num_seqs) if use_graphs else 0
     # Per context page: page-table entries of every running sequence (a second, static copy for the
-    # graphs) and the rope rows it needs. Everything else is independent of the context.
+    # graphs). Everything else is independent of the context.
     table_copies = 2 if use_graphs else 1
-    per_ctx_page = table_copies * max_num_seqs * BLOCK_TABLE_ENTRY_BYTES + PAGE_SIZE * model.head_dim * 4
+    per_ctx_page = table_copies * max_num_seqs * BLOCK_TABLE_ENTRY_BYTES
     fixed = w_bytes + workspace + graph_pool + headroom
     # Largest context L (pages) with a pool of exactly L pages: fixed + L*(page + per_ctx_page) <= free.
     largest = max(0, (free_bytes - fixed) // (page_bytes + per_ctx_page)) * PAGE_SIZE
     page_tables = max_num_seqs * ctx_pages * BLOCK_TABLE_ENTRY_BYTES
     graph_tables = page_tables if use_graphs else 0
     graphs = graph_pool + graph_tables
-    rope = max_context * model.head_dim * 4
-    kv_room = free_bytes - fixed - graph_tables - page_tables - rope  # what is left for KV pages
+    kv_room = free_bytes - fixed - graph_tables - page_tables  # what is left for KV pages
 
     if str(kv_capacity).strip().lower() == "auto":
         mode = "auto"
@@ -299,13 +297,13 @@ def plan_memory(model: ModelConfig, *, kv_dtype: str, total_bytes: int, free_byt
                              f"full-length request could never run; raise --kv-capacity or lower --max-context")
         pages = min_pages = math.ceil(cap / PAGE_SIZE)
     if kv_room < min_pages * page_bytes:
-        needed = fixed + graph_tables + page_tables + rope + min_pages * page_bytes
+        needed = fixed + graph_tables + page_tables + min_pages * page_bytes
         what = (f"max_context={max_context}" if mode == "auto"
                 else f"kv_capacity={min_pages * PAGE_SIZE} tokens (max_context={max_context})")
         raise ContextDoesNotFit(
             f"{what} does not fit with kv_dtype={kv_dtype} ({bpt} B/token): it needs {needed} bytes "
             f"({format_bytes(needed)}: weights {format_bytes(w_bytes)} + KV {format_bytes(min_pages * page_bytes)} + "
-            f"page tables {format_bytes(page_tables)} + rope tables {format_bytes(rope)} + workspace "
+            f"page tables {format_bytes(page_tables)} + workspace "
             f"{format_bytes(workspace)} + graphs {format_bytes(graphs)} + headroom {format_bytes(headroom)}) "
             f"but only {free_bytes} bytes ({format_bytes(free_bytes)}) are available; the largest context that "
             f"fits with {kv_dtype} is {largest} tokens"
@@ -319,7 +317,7 @@ def plan_memory(model: ModelConfig, *, kv_dtype: str, total_bytes: int, free_byt
         head_dim=model.head_dim, bytes_per_token=bpt, page_bytes=page_bytes, num_pages=int(pages),
         capacity_tokens=int(pages) * PAGE_SIZE, total_bytes=total_bytes, free_bytes=free_bytes,
         weights_bytes=w_bytes, kv_bytes=int(pages) * page_bytes, page_table_bytes=page_tables,
-        rope_table_bytes=rope, workspace_bytes=workspace, graph_bytes=graphs, headroom_bytes=headroom,
+        workspace_bytes=workspace, graph_bytes=graphs, headroom_bytes=headroom,
         largest_context=int(largest))
 
 

@@ -1,0 +1,125 @@
+"""Next-token KL divergence of each KV format against a reference KV format (`ninfer bench kl`).
+
+The reference (default bf16) answers the needle bench's prompts greedily; every other kv-dtype is
+then teacher-forced along the reference's tokens through the whole engine (prefill and decode read
+the stored, quantized cache), so each step compares the two next-token distributions after the
+same history. Reported per kv-dtype and context: mean and max KL(ref || fmt) in nats over the
+answer tokens, and greedy top-1 agreement. The same runner backs tests/test_engine_kl.py.
+
+    ninfer bench kl [MODEL] [--kv-dtype int8,rk4v4,rk4v4-e8] [--reference bf16] [--contexts 4K]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+MAX_TOKENS = 16  # the probe's answer is 12-13 tokens incl. the end token
+
+
+def teacher_forced(llm, prompts: list, max_tokens: int, forced: list[list[int]] | None
+                   ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy generation of `max_tokens` per prompt (EOS ignored); with `forced`, request i follows
+    forced[i] instead. Returns the tokens and the float32 logits [steps, V] of every step."""
+    from ninfer import SamplingParams
+    rows: dict[str, list[torch.Tensor]] = {}
+    index: dict[str, int] = {}
+
+    def hook(reqs, logits: torch.Tensor) -> None:
+        for j, r in enumerate(reqs):
+            rows.setdefault(r.request_id, []).append(logits[j].float().cpu().clone())
+            if forced is not None:
+                logits[j] = -1e30  # finite: non-finite rows are finished as errors
+                logits[j, forced[index[r.request_id]][r.num_output_tokens]] = 0.0
+
+    llm.engine.logits_hook = hook
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    try:
+        for i, p in enumerate(prompts):
+            index[f"kl-{i}"] = i
+            llm.engine.add_request(f"kl-{i}", p, params)
+        done: dict[str, list[int]] = {}
+        while llm.engine.has_unfinished_requests():
+            for out in llm.engine.step():
+                if out.finished:
+                    done[out.request_id] = out.token_ids
+    finally:
+        llm.engine.logits_hook = None
+    ids = [f"kl-{i}" for i in range(len(prompts))]
+    return [done[r] for r in ids], [torch.stack(rows[r]) for r in ids]
+
+
+def compare(ref_logits: list[torch.Tensor], logits: list[torch.Tensor]) -> dict[str, float]:
+    """Mean / max KL(ref || fmt) in nats over every step, and greedy top-1 agreement."""
+    ref_lp = torch.log_softmax(torch.cat(ref_logits).double(), -1)
+    lp = torch.log_softmax(torch.cat(logits).double(), -1)
+    kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1).clamp_min(0)
+    return {"mean_kl": float(kl.mean()), "max_kl": float(kl.max()),
+            "top1": float((lp.argmax(-1) == ref_lp.argmax(-1)).float().mean()), "n": int(kl.numel())}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="HF model directory (default: the bundled probe model)")
+    p.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype", default="int8,rk4v4,rk4v4-e8",
+                   help="comma-separated KV formats to compare (default %(default)s)")
+    p.add_argument("--reference", default="bf16", help="reference KV format (default %(default)s)")
+    p.add_argument("--contexts", default="4K", help="comma-separated context sizes (needle bench documents)")
+    p.add_argument("--docs", type=int, default=1, help="documents per context, 5 questions each")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ninfer import LLM
+    from ninfer.bench.needle import build_cases
+    from ninfer.config import parse_token_count
+    from ninfer.kvcache.formats import get_format
+    from ninfer.probe import default_model_dir
+    model = args.model or str(default_model_dir())
+    kvs = [k.strip() for k in args.kv_dtype.split(",") if k.strip()]
+    for k in [args.reference, *kvs]:
+        get_format(k)  # unknown names fail before any model is loaded
+    contexts = [parse_token_count(c) for c in args.contexts.split(",") if c.strip()]
+    t0 = time.time()
+    results: dict[str, dict[str, dict]] = {k: {} for k in kvs}
+    ref_answers: dict[int, list[str]] = {}
+
+    def engine(kv: str):
+        return LLM(model, kv_dtype=kv, device=args.device, max_context=max(contexts) + MAX_TOKENS,
+                   enable_prefix_caching=False)
+
+    llm = engine(args.reference)
+    tok = llm.engine.tokenizer
+    cases = {c: build_cases(tok, c, args.docs, args.seed) for c in contexts}
+    ref = {}
+    for c in contexts:
+        ref[c] = teacher_forced(llm, [x["prompt"] for x in cases[c]], MAX_TOKENS, None)
+        ref_answers[c] = [tok.decode(t) for t in ref[c][0]]
+    del llm
+    for kv in kvs:
+        llm = engine(kv)
+        for c in contexts:
+            _, logits = teacher_forced(llm, [x["prompt"] for x in cases[c]], MAX_TOKENS, ref[c][0])
+            results[kv][str(c)] = compare(ref[c][1], logits)
+        del llm
+    lines = [f"next-token KL vs {args.reference} KV, teacher-forced along its greedy answers "
+             f"({MAX_TOKENS} tokens x {5 * args.docs} questions per context)",
+             "| kv-dtype | context | mean KL (nats) | max KL | top-1 agreement |", "|---|---|---|---|---|"]
+    for kv in kvs:
+        for c, r in results[kv].items():
+            lines.append(f"| {kv} | {c} | {r['mean_kl']:.3e} | {r['max_kl']:.3e} | {r['top1']:.3f} |")
+    print("\n".join(lines))
+    out = {"bench": "kl", "model": model, "reference": args.reference, "max_tokens": MAX_TOKENS,
+           "docs": args.docs, "seed": args.seed, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+           "command": "ninfer bench kl " + " ".join(sys.argv[3:]), "seconds": round(time.time() - t0, 1),
+           "reference_answers": {str(c): a for c, a in ref_answers.items()}, "results": results}
+    if args.json == "-":
+        print(json.dumps(out, indent=1))
+    elif args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
