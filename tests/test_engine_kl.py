@@ -51,14 +51,6 @@ def kl_table(path: Path, formats: tuple[str, ...] = FORMATS) -> dict[str, dict[s
     return {fmt: compare(ref_logits, _run(path, fmt, prompts, ref_tokens)[1]) for fmt in formats}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tables(tiny_checkpoint) -> dict[str, dict[str, dict[str, float]]]:
     return {name: kl_table(tiny_checkpoint(**kw)) for name, kw in GEOMETRIES.items()}
@@ -91,3 +83,14 @@ if __name__ == "__main__":  # the docs/ENGINE.md table
         for name, kw in GEOMETRIES.items():
             for fmt, r in kl_table(make_checkpoint(tmp, name=name, **kw)).items():
                 print(f"| {name} | {fmt} | {r['mean_kl']:.3e} | {r['max_kl']:.3e} | {r['top1']:.3f} | {r['n']} |")
+
+
+@pytest.mark.parametrize("argv,msg", [(["--kv-dtype", "bogus"], "unknown kv_dtype 'bogus'"),
+                                      (["--reference", "nope"], "unknown kv_dtype 'nope'"),
+                                      (["--contexts", "4Q"], "not a token count"),
+                                      (["--docs", "0"], "--docs >= 1"),
+                                      (["/nonexistent-model"], "no config.json")])
+def test_bench_kl_rejects_bad_input_before_loading(argv, msg) -> None:
+    from ninfer import cli
+    with pytest.raises(SystemExit, match=msg):
+        cli.main(["bench", "kl", *argv])

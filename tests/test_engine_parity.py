@@ -31,15 +31,6 @@ YARN = dict(arch="qwen3", hidden=64, heads=4, kv_heads=2, head_dim=64, max_posit
 _HF: dict[Path, torch.nn.Module] = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls: threads only add sync cost, and CI cores are shared.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def hf_model(path: Path) -> torch.nn.Module:
     if path not in _HF:
         from transformers import AutoModelForCausalLM

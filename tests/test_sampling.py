@@ -14,14 +14,6 @@ from ninfer.engine.request import Request
 from ninfer.engine.sampling import SampleRow, sample
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint) -> LLM:
     return LLM(str(tiny_checkpoint()), kv_dtype="auto", device="cpu", max_context=512, kv_capacity=4096)

@@ -18,14 +18,6 @@ from ninfer.kvcache.block_manager import BlockManager
 PAGE = 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_request(rid: str, prompt: list[int], max_tokens: int) -> Request:
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), max_tokens=max_tokens,
                    eos_token_ids=frozenset(), generator=None, detokenizer=None)

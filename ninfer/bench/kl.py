@@ -74,16 +74,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from ninfer import LLM
+    from ninfer.bench import _timing as T
     from ninfer.bench.needle import build_cases
-    from ninfer.config import parse_token_count
-    from ninfer.kvcache.formats import get_format
     from ninfer.probe import default_model_dir
     model = args.model or str(default_model_dir())
-    kvs = [k.strip() for k in args.kv_dtype.split(",") if k.strip()]
-    for k in [args.reference, *kvs]:
-        get_format(k)  # unknown names fail before any model is loaded
-    contexts = [parse_token_count(c) for c in args.contexts.split(",") if c.strip()]
+    try:  # bad input fails here, before any model is loaded
+        kvs = T.kv_dtypes(args.kv_dtype)
+        T.kv_dtypes(args.reference)
+        contexts = T.token_counts(args.contexts)
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        raise SystemExit(f"ninfer bench kl: {e}")
+    if not contexts or args.docs < 1:
+        raise SystemExit("ninfer bench kl: give at least one context and --docs >= 1")
+    if not (Path(model) / "config.json").is_file():
+        raise SystemExit(f"ninfer bench kl: no config.json in {model}")
     t0 = time.time()
     results: dict[str, dict[str, dict]] = {k: {} for k in kvs}
     ref_answers: dict[int, list[str]] = {}

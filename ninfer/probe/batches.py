@@ -1,6 +1,6 @@
 """Training batches assembled from pre-tokenized parts, so data keeps up with a GPU step.
 
-`data.make_haystack` tokenizes text as it goes (~0.3 s per 8K-token batch in Python); here the
+`data.make_haystack` tokenizes text as it goes (35-41 ms per 8K-token batch; docs/BENCHMARKS.md); here the
 same documents are built from ids: a bank of pre-tokenized filler sentences and per-key token
 templates for needles, questions and answers (the value's " is NN" / "NN" tokens are spliced
 in). `TokenBank` checks every template against tokenizing the full text, so a batch is exactly
@@ -31,8 +31,8 @@ class TokenBank:
         # a value "1234" -> [" is 12", "34"] closes needle and answer: "... for K" + value + "."
         needle = enc([data.needle_sentence(k, "1234") for k in keys])
         answer = enc([data.answer_text(k, "1234") + data.END for k in keys])
-        q_first = enc([f"\n\n{data.question_text(k)}{data.END}\n{data.ASSISTANT}\n" for k in keys])
-        q_next = enc([f"\n{data.USER}\n{data.question_text(k)}{data.END}\n{data.ASSISTANT}\n" for k in keys])
+        q_first = enc([data.question_turn(k, True) for k in keys])
+        q_next = enc([data.question_turn(k, False) for k in keys])
         tail = [self.is_nn[12], self.nn[34]]
         for ids in needle:
             assert ids[-3:-1] == tail, "needle does not end in ' is NN' 'NN' '.'"

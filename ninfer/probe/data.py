@@ -116,8 +116,6 @@ class Haystack:
     pieces: list[str]              # filler and needle sentences, in order
     needles: list[Needle]
     piece_ids: list[list[int]] = field(default_factory=list)  # token ids per piece, if tokenized
-    gaps: list[int] = field(default_factory=list)  # indices of pieces where a position gap may go
-    repeats: list[int] = field(default_factory=list)  # indices of pieces copied from earlier ones
 
     @property
     def text(self) -> str:
@@ -127,12 +125,10 @@ class Haystack:
 def make_haystack(rng: random.Random, n_tokens: int, n_needles: int | None = None,
                   depths: Sequence[float] | None = None,
                   tokenize: Callable[[list[str]], list[list[int]]] | None = None,
-                  lex: Lexicon = LEXICON, repeat: float = 0.0) -> Haystack:
+                  lex: Lexicon = LEXICON) -> Haystack:
     """At most `n_tokens` tokens (within one sentence of it) of filler and needles, measured
     exactly when `tokenize` is given (else ~1.9 tokens per word is assumed), with needles at
-    `depths` (fractions of the filler). With `repeat` > 0 (training only) that fraction of the
-    filler sentences are verbatim copies of earlier ones: predicting them rewards induction
-    ("find the earlier occurrence, copy what followed"), the circuit retrieval needs."""
+    `depths` (fractions of the filler)."""
     if depths is None:
         depths = sorted(rng.random() for _ in range(n_needles or 1))
     keys = rng.sample(lex.keys, len(depths))
@@ -156,26 +152,17 @@ def make_haystack(rng: random.Random, n_tokens: int, n_needles: int | None = Non
             filler.append(s)
             filler_ids.append(t)
             total += len(t)
-    copied = [False] * len(filler)
-    for i in range(1, len(filler)) if repeat > 0 else ():
-        j = rng.randrange(i)
-        if rng.random() < repeat and not copied[j] and len(filler_ids[j]) <= len(filler_ids[i]):
-            filler[i], filler_ids[i], copied[i] = filler[j], filler_ids[j], True
-    total = sum(len(t) for t in filler_ids)
     # Insert each needle after the filler sentence where the cumulative count reaches its depth.
     cum, acc = [], 0
     for t in filler_ids:
         cum.append(acc)
         acc += len(t)
     order = sorted(range(len(needles)), key=lambda i: needles[i].depth)
-    pieces, pids, gaps, repeats = [], [], [], []
+    pieces, pids = [], []
     j = 0
     for i, (s, t) in enumerate(zip(filler, filler_ids)):
         while j < len(order) and cum[i] >= needles[order[j]].depth * total:
             pieces.append(needle_pieces[order[j]]); pids.append(needle_ids[order[j]]); j += 1
-        gaps.append(len(pieces))
-        if copied[i]:
-            repeats.append(len(pieces))
         pieces.append(s); pids.append(t)
     while j < len(order):
         pieces.append(needle_pieces[order[j]]); pids.append(needle_ids[order[j]]); j += 1
@@ -183,7 +170,7 @@ def make_haystack(rng: random.Random, n_tokens: int, n_needles: int | None = Non
         pieces[0] = pieces[0].lstrip()  # the document starts right after "<|user|>\n"
         if tokenize:
             pids[0] = tokenize([pieces[0]])[0]
-    return Haystack(pieces, needles, pids if tokenize else [], gaps, repeats)
+    return Haystack(pieces, needles, pids if tokenize else [])
 
 
 def bench_haystack(context_tokens: int, seed: int,
@@ -194,6 +181,13 @@ def bench_haystack(context_tokens: int, seed: int,
     return make_haystack(random.Random(seed), context_tokens - 32, depths=list(depths), tokenize=tokenize)
 
 
+def question_turn(key: str, first: bool) -> str:
+    """The user turn asking for `key` in a training chat, up to the assistant's header: the first
+    closes the document's turn (so document + it == chat_prompt), later ones open a new turn."""
+    opener = "\n\n" if first else f"\n{USER}\n"
+    return f"{opener}{question_text(key)}{END}\n{ASSISTANT}\n"
+
+
 def training_turns(hay: Haystack, rng: random.Random) -> list[tuple[str, bool]]:
     """A multi-turn chat asking every needle, in random order; (text, is_target) segments.
     The first segment is exactly chat_prompt(document, first key) minus the document."""
@@ -202,9 +196,6 @@ def training_turns(hay: Haystack, rng: random.Random) -> list[tuple[str, bool]]:
     segs: list[tuple[str, bool]] = []
     for n, i in enumerate(order):
         nd = hay.needles[i]
-        if n == 0:
-            segs.append((f"\n\n{question_text(nd.key)}{END}\n{ASSISTANT}\n", False))
-        else:
-            segs.append((f"\n{USER}\n{question_text(nd.key)}{END}\n{ASSISTANT}\n", False))
+        segs.append((question_turn(nd.key, n == 0), False))
         segs.append((answer_text(nd.key, nd.value) + END, True))
     return segs
