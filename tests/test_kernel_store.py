@@ -35,7 +35,12 @@ for _f in ("int8", "rk4v4", "rk4v4-e8"):
 CASES.append(("rk4v4-e8-d256-fp16-odd", "rk4v4-e8", "random", 5, 1, 256, "float16", 11))
 CASES.append(("rk4v4-e8-d64-ties-s2", "rk4v4-e8", "ties", 33, 1, 64, "float32", 12))
 CASES.append(("auto-fp32-d80", "auto", "random", 9, 3, 80, "float32", 13))
-# several programs per head, every 64-group of a D=256 row in one program (store kernel loops over groups)
+# decode-sized steps: the small-tile variants (BT = 2 / 4, one warp)
+for _f in FORMATS:
+    for _t in (1, 3):
+        CASES.append((f"{_f}-decode-t{_t}", _f, "random", _t, 3, 128, "bfloat16", 20 + _t))
+CASES.append(("rk4v4-e8-decode-d256-t2", "rk4v4-e8", "random", 2, 2, 256, "bfloat16", 25))
+# several programs per head, every 64-group of a D=256 row in its own program
 for _f in ("int8", "rk4v4", "rk4v4-e8"):
     CASES.append((f"{_f}-d256-t70", _f, "random", 70, 2, 256, "bfloat16", 14))
 
@@ -89,6 +94,7 @@ def _run_case(name, fmt_name, kind, t, hkv, d, dtype_name, seed):
             slots[slots == s] = slots[i + 6].item()
             slots[i + 6] = s
     skip = torch.rand(t, generator=gen) < 0.15
+    skip[0] = False  # at least one stored token, also at T = 1
     slots = torch.where(skip, torch.full_like(slots, -1), slots)
     model_dtype = dtype if fmt.storage is None else torch.bfloat16
     planes, ref = {}, {}
