@@ -305,20 +305,26 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
       cm[0] = fmaxf(cm[0], __shfl_xor_sync(0xffffffffu, cm[0], off));
       cm[1] = fmaxf(cm[1], __shfl_xor_sync(0xffffffffu, cm[1], off));
     }
-    float alpha[2];
+    // Lazy rescale: the running max moves only when a chunk's max exceeds it by more than 8 (log2
+    // units), so most chunks skip the O *= alpha pass; P <= 2^8 stays exact enough in fp16 and the
+    // final merge uses the same max (H200, 90K/128K: rk4v4-e8 D128 -3%, int8 and D256 unchanged).
+    // m_r = -inf before the first chunk, so the first chunk always rescales (alpha = 0).
+    if (__any_sync(0xffffffffu, cm[0] > m_r[0] + 8.f || cm[1] > m_r[1] + 8.f)) {
+      float alpha[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mn = fmaxf(m_r[r], cm[r]);
-      alpha[r] = exp2f(m_r[r] - mn);  // m_r = -inf first: 0
-      m_r[r] = mn;
-      l_r[r] *= alpha[r];
-    }
+      for (int r = 0; r < 2; ++r) {
+        float mn = fmaxf(m_r[r], cm[r]);
+        alpha[r] = exp2f(m_r[r] - mn);
+        m_r[r] = mn;
+        l_r[r] *= alpha[r];
+      }
 #pragma unroll
-    for (int i = 0; i < KSTEPS; ++i) {
-      o[i][0] *= alpha[0];
-      o[i][1] *= alpha[1];
-      o[i][2] *= alpha[0];
-      o[i][3] *= alpha[1];
+      for (int i = 0; i < KSTEPS; ++i) {
+        o[i][0] *= alpha[0];
+        o[i][1] *= alpha[1];
+        o[i][2] *= alpha[0];
+        o[i][3] *= alpha[1];
+      }
     }
 #pragma unroll
     for (int sub = 0; sub < NSUB; ++sub) {

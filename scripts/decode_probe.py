@@ -1,0 +1,148 @@
+"""One decode-step's attention kernels at an engine shape, on a GPU: a target for Nsight Compute
+and a side-by-side timing of the decode-time store.
+
+    python3 scripts/decode_probe.py --ctx 90000                  # time store (T = 1) + decode per format
+    ncu --clock-control none --kernel-name nd_decode --launch-skip 3 --launch-count 1 \\
+        --section SpeedOfLight --section WarpStateStats ... python3 scripts/decode_probe.py --only rk4v4-e8 --calls 4
+
+Store: T new tokens of Hkv heads, bytes checked against the reference encoder, then timed as
+CUDA-graph replays (median of do_bench). Decode: ``paged_decode`` over ``ctx`` tokens of random
+valid pages (32 q / 8 kv heads, D = 128, the Qwen3-8B geometry), checked against the float64
+oracle, timed the same way.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    import triton.testing
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    return triton.testing.do_bench(g.replay, warmup=25, rep=100) * 1e3 / reps
+
+
+def store_rows(fmts, t: int, hkv: int, d: int) -> list[dict]:
+    from ninfer.kernels.store_kv import store_kv
+    from ninfer.kvcache.formats import get_format
+    rows = []
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for name in fmts:
+        fmt = get_format(name)
+        pages = 64
+        planes = {pl.name: torch.zeros((pages, hkv, 64, pl.extent), dtype=pl.dtype, device=dev)
+                  for pl in fmt.planes(d, torch.bfloat16)}
+        k = torch.randn(t, hkv, d, dtype=torch.bfloat16, device=dev, generator=gen)
+        v = torch.randn(t, hkv, d, dtype=torch.bfloat16, device=dev, generator=gen)
+        slots = torch.randperm(pages * 64, device=dev, generator=gen)[:t]
+        store_kv(k, v, planes, slots, name)
+        torch.cuda.synchronize()
+        bad = 0
+        for which, x in (("k", k), ("v", v)):
+            data, sc = fmt.encode(x.cpu())
+            got = planes[which][slots // 64, :, slots % 64].cpu()
+            bad += int((got.view(torch.uint8) != data.to(got.dtype).view(torch.uint8)).sum())
+            if sc is not None:
+                gs = planes[f"{which}_scale"][slots // 64, :, slots % 64].cpu()
+                bad += int((gs != sc).sum())
+        us = graph_us(lambda: store_kv(k, v, planes, slots, name))
+        rows.append({"kind": "store", "format": name, "tokens": t, "hkv": hkv, "d": d, "mismatches": bad, "us": us})
+    return rows
+
+
+def decode_rows(fmts, ctx: int, calls: int | None, geom=(32, 8, 128), variants=(None,)) -> list[dict]:
+    from ninfer.bench.kernels import DecodeCase
+    from ninfer.kernels.paged_decode import CUDA_DEFAULT_CFG, paged_decode, paged_decode_ref
+    from ninfer.kernels._common import fmt_code
+    from ninfer.kvcache.formats import get_format
+    rows = []
+    hq, hkv, d = geom
+    for name in fmts:
+        c = DecodeCase(name, hq, hkv, d, ctx, 1, 1)
+        ref = None
+        for var in variants:
+            cfg = None if var is None else (*CUDA_DEFAULT_CFG[fmt_code(get_format(name))][:3], var)
+
+            def call():
+                return paged_decode(c.q, c.kp, c.vp, c.tables[0], c.seq_lens, name, c.scale, out=c.outs[0],
+                                    cuda_cfg=cfg, backend="cuda")
+            if calls:  # under ncu: plain launches only
+                for _ in range(calls):
+                    call()
+                torch.cuda.synchronize()
+                continue
+            c.outs[0].fill_(float("nan"))
+            call()
+            if ref is None:
+                ref = paged_decode_ref(c.q, c.kp, c.vp, c.tables[0], c.seq_lens, name, c.scale)
+            rel = float((c.outs[0].float() - ref).norm() / ref.norm())
+            rows.append({"kind": "decode", "format": name, "ctx": ctx, "geometry": f"{hq}q/{hkv}kv/D{d}",
+                         "variant": var, "rel_err": rel, "us": graph_us(call, 10)})
+        c = ref = None  # free the pool before the next format
+    return rows
+
+
+def prebuild(fmts, dims, variants) -> None:
+    """nvcc every configuration at once (each build takes seconds; the machine has cores)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ninfer.kernels._common import fmt_code
+    from ninfer.kernels.paged_decode_cuda import _CUDA, CUDA_DEFAULT_CFG, _key
+    from ninfer.kvcache.formats import get_format
+    major, minor = torch.cuda.get_device_capability()
+    keys = []
+    for name in fmts:
+        code = fmt_code(get_format(name))
+        for d in dims:
+            for var in variants:
+                cfg = CUDA_DEFAULT_CFG[code] if var is None else (*CUDA_DEFAULT_CFG[code][:3], var)
+                keys.append(_key(code, d, torch.bfloat16, cfg))
+    with ThreadPoolExecutor(16) as ex:
+        list(ex.map(lambda k: _CUDA.build(k, f"sm_{major}{minor}"), keys))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ctx", type=int, default=90000)
+    p.add_argument("--only", default=None, help="one format (decode only), e.g. under ncu")
+    p.add_argument("--calls", type=int, default=None, help="with --only: launch this many decodes, no timing")
+    p.add_argument("--variants", action="store_true", help="time every CUDA decode variant (VAR 0..3)")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    if a.only:
+        decode_rows([a.only], a.ctx, a.calls)
+        return 0
+    rows = []
+    for t in (1, 8, 4096):
+        rows += store_rows(("bf16", "int8", "rk4v4-e8"), t, 8, 128)
+    var = (0, 1, 2, 3) if a.variants else (None,)
+    prebuild(("int8", "rk4v4-e8"), (128, 256), var)
+    for geom in ((32, 8, 128), (24, 4, 256)):
+        for ctx in (a.ctx, 131072):
+            rows += decode_rows(("int8", "rk4v4-e8"), ctx, None, geom, var)
+    if a.out:
+        Path(a.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    for r in rows:
+        extra = f"mismatches={r['mismatches']}" if r["kind"] == "store" else f"rel_err={r['rel_err']:.2e}"
+        size = f"T={r['tokens']}" if r["kind"] == "store" else f"ctx={r['ctx']} {r['geometry']} v{r['variant']}"
+        print(f"{r['kind']:7s} {r['format']:9s} {size:28s} {r['us']:9.2f} us  {extra}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
