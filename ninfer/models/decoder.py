@@ -12,6 +12,7 @@ from torch import nn
 
 from ninfer.attention.base import AttentionMetadata, BaseAttentionBackend
 from ninfer.model_config import ConfigError, ModelConfig
+from ninfer.models import layers as model_layers
 from ninfer.models.layers import Attention, DecoderLayer, GatedMLP, MergedLinear, RMSNorm
 from ninfer.models.registry import ArchSpec
 from ninfer.models.rope import RotaryEmbedding, normalize_rope_params, scaled_max_position
@@ -64,6 +65,12 @@ class CausalLM(nn.Module):
                 backend: BaseAttentionBackend) -> torch.Tensor:
         cos, sin = self.rotary_emb.cos_sin(positions)  # once per step, shared by every layer
         h = self.model.embed_tokens(input_ids)
+        if model_layers.use_fused_kernels(h) and len(self.model.layers):
+            # residual stream carried between layers: every residual add fused into the next norm
+            residual = None
+            for layer in self.model.layers:
+                h, residual = layer.forward_residual(h, residual, cos, sin, meta, backend)
+            return self.model.norm.forward_add(h, residual)[0]
         for layer in self.model.layers:
             h = layer(h, cos, sin, meta, backend)
         return self.model.norm(h)
