@@ -4,13 +4,17 @@ The seam (ninfer/engine/model_runner.py): at startup, before any request exists,
 ``capture_decode_graphs(runner, batch_sizes) -> int``. It captures ``runner.eager_forward`` for
 every bucket on static input buffers and installs a ``DecodeGraphs`` object as
 ``runner.forward_fn``. A decode step (``meta.is_decode``, B <= the largest bucket, block tables of
-the runner's full width) is copied into the buffers of the smallest bucket >= B, padded with
-rows that store nothing (slot -1) and attend to nothing (seq_len 0), and replayed; any other step
-runs eagerly. Logits and sampling stay outside the graph.
+the runner's full width) replays the graph of the smallest bucket >= B, whose rows past B store
+nothing (slot -1) and attend to nothing (seq_len 0); any other step runs eagerly. Logits and
+sampling stay outside the graph.
 
-Static buffers (sized for the largest bucket): input_ids, positions, slot_mapping [max_bs] int64,
-seq_lens [max_bs] int32, query_start_loc = arange [max_bs+1] int32 (one token per sequence),
-block_tables [max_bs, max_pages_per_seq] int32 (max_pages_per_seq covers max_context).
+Static buffers: the runner's persistent decode inputs (``runner.decode_inputs``, see
+model_runner.DecodeInputs), reserved for the largest bucket and frozen: input_ids, positions,
+slot_mapping [max_bs] int64, seq_lens [max_bs] int32, query_start_loc = arange [max_bs+1] int32 (one
+token per sequence), block_tables [max_bs, max_pages_per_seq] int32 (max_pages_per_seq covers
+max_context). The runner's decode steps already sit in them, padding included, so a replay copies
+nothing; inputs built elsewhere (tests, a caller's own metadata) are copied in and padded first,
+and the runner is told to rewrite its rows in full on its next step.
 
 Graph memory: all buckets share one private memory pool, captured largest first so the smaller
 graphs reuse its blocks. ``capture`` warms every bucket up eagerly first (compiles the Triton
@@ -44,19 +48,17 @@ class DecodeGraphs:
         self.runner = runner
         self.sizes = sizes
         self.width = int(runner.max_pages_per_seq)
-        dev, n = runner.device, sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.full((n, self.width), -1, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.static_bytes = sum(t.numel() * t.element_size() for t in (
-            self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables, self.query_start_loc))
+        io = self.io = runner.decode_inputs
+        io.reserve(sizes[-1])  # the graphs hold these addresses: the buffers never move again
+        self.input_ids, self.positions, self.slot_mapping = io.input_ids, io.positions, io.slot_mapping
+        self.seq_lens, self.block_tables, self.query_start_loc = io.seq_lens, io.block_tables, io.query_start_loc
+        self.static_bytes = io.nbytes
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool_bytes = 0
         self.device_bytes = 0
+        self._ptrs = (self.input_ids.data_ptr(), self.positions.data_ptr(), self.slot_mapping.data_ptr(),
+                      self.seq_lens.data_ptr(), self.block_tables.data_ptr())
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -96,8 +98,7 @@ class DecodeGraphs:
         torch.cuda.synchronize(dev)
         self.pool_bytes = torch.cuda.memory_reserved(dev) - reserved0
         self.device_bytes = free0 - torch.cuda.mem_get_info(dev)[0]
-        self.seq_lens.zero_()
-        self.block_tables.fill_(-1)
+        self.io.clear()  # back to padding everywhere, no rows owned
         observed = max(self.pool_bytes, self.device_bytes) + self.static_bytes
         log.info("decode CUDA graphs: sizes=%s pool=%d device=%d static=%d observed=%d bytes",
                  self.sizes, self.pool_bytes, self.device_bytes, self.static_bytes, observed)
@@ -109,6 +110,17 @@ class DecodeGraphs:
                 or meta.block_tables.shape != (b, self.width) or not self.graphs):
             return self.runner.eager_forward(input_ids, positions, meta)
         bs = self.sizes[bisect.bisect_left(self.sizes, b)]
+        # The runner's decode path hands views of the static buffers, padding rows already set.
+        if (input_ids.data_ptr(), positions.data_ptr(), meta.slot_mapping.data_ptr(), meta.seq_lens.data_ptr(),
+                meta.block_tables.data_ptr()) != self._ptrs:
+            self._copy_in(b, bs, input_ids, positions, meta)
+        self.graphs[bs].replay()
+        # A view of the graph's static output: valid until the next replay (the runner consumes
+        # it at once for the logits of the sampling rows).
+        return self.outputs[bs][:b]
+
+    def _copy_in(self, b: int, bs: int, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
         self.input_ids[:b].copy_(input_ids, non_blocking=True)
         self.positions[:b].copy_(positions, non_blocking=True)
         self.slot_mapping[:b].copy_(meta.slot_mapping, non_blocking=True)
@@ -120,10 +132,7 @@ class DecodeGraphs:
             self.slot_mapping[b:bs].fill_(-1)
             self.seq_lens[b:bs].zero_()
             self.block_tables[b:bs].fill_(-1)
-        self.graphs[bs].replay()
-        # A view of the graph's static output: valid until the next replay (the runner consumes
-        # it at once for the logits of the sampling rows).
-        return self.outputs[bs][:b]
+        self.io.forget()  # its knowledge of the device rows is void now
 
 
 _WARMUP_STREAMS: dict[int, torch.cuda.Stream] = {}

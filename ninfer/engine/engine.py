@@ -252,7 +252,9 @@ class LLMEngine:
         banned: list[int] = []
         if req.num_output_tokens < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(req.eos_token_ids))
-        return SampleRow(p, req.generator, req.prompt_token_ids, req.output_token_ids, banned)
+        # Only the penalties read the output ids: skip copying them (O(output) per step) otherwise.
+        penalties = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        return SampleRow(p, req.generator, req.prompt_token_ids, req.output_token_ids if penalties else [], banned)
 
     def _check_stop(self, req: Request, tok: int) -> None:
         p = req.params

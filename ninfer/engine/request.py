@@ -92,14 +92,15 @@ class Request:
         self.error = error
 
     def make_output(self) -> "RequestOutput":
-        new_ids = self.output_token_ids[self._sent_tokens:]
-        self._sent_tokens = self.num_output_tokens
+        out_ids = self.output_token_ids
+        new_ids = out_ids[self._sent_tokens:]
+        self._sent_tokens = len(out_ids)
         finished = self.is_finished
         new_text = self.detokenizer.take_new_text(finished) if self.detokenizer else ""
         text = self.detokenizer.text[: self.detokenizer.emitted] if self.detokenizer else ""
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-            token_ids=self.output_token_ids, new_token_ids=new_ids, text=text, new_text=new_text,
+            token_ids=out_ids, new_token_ids=new_ids, text=text, new_text=new_text,
             finished=finished, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
             num_cached_tokens=self.prefix_hit_tokens,
             logprobs=list(self.output_logprobs) if self.params.logprobs is not None else None,

@@ -150,29 +150,36 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     n = len(rows)
     logits = logits.float()
     finite = torch.isfinite(logits).all(dim=-1)
-    # Non-finite rows are reported, not sampled; zeroing them keeps multinomial from raising.
-    x = torch.where(finite[:, None], logits, torch.zeros((), device=logits.device))
-    tokens = torch.zeros(n, dtype=torch.long, device=logits.device)
     penalized = [i for i, r in enumerate(rows) if _needs_penalties(r)]
-    if penalized:
-        x = x.clone()
-        for i in penalized:
-            x[i] = _apply_penalties(x[i], rows[i])
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-    if len(greedy) == n:
-        tokens = x.argmax(dim=-1)
-    elif greedy:
-        idx = torch.tensor(greedy, dtype=torch.long, device=logits.device)
-        tokens[idx] = x[idx].argmax(dim=-1)
-    for i, r in enumerate(rows):
-        if not r.params.greedy:
-            probs = _filter_probs(x[i], r.params)
-            tokens[i] = torch.multinomial(probs, 1, generator=r.generator)[0]
+    if not penalized and len(greedy) == n:
+        # The common decode batch: one argmax over the raw rows (a finite row is what the zeroing
+        # below leaves it; a non-finite row's token is discarded either way). Saves kernel launches.
+        tokens = logits.argmax(dim=-1)
+    else:
+        # Non-finite rows are reported, not sampled; zeroing them keeps multinomial from raising.
+        x = torch.where(finite[:, None], logits, torch.zeros((), device=logits.device))
+        tokens = torch.zeros(n, dtype=torch.long, device=logits.device)
+        if penalized:
+            x = x.clone()
+            for i in penalized:
+                x[i] = _apply_penalties(x[i], rows[i])
+        if len(greedy) == n:
+            tokens = x.argmax(dim=-1)
+        elif greedy:
+            idx = torch.tensor(greedy, dtype=torch.long, device=logits.device)
+            tokens[idx] = x[idx].argmax(dim=-1)
+        for i, r in enumerate(rows):
+            if not r.params.greedy:
+                probs = _filter_probs(x[i], r.params)
+                tokens[i] = torch.multinomial(probs, 1, generator=r.generator)[0]
     want_lp = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     lp = None
     if want_lp:
         lp = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
-    host = torch.stack([tokens.double(), finite.double()] + ([lp.double()] if lp is not None else [])).cpu()
+    # One device->host copy (the step's only sync); stack promotes in its own kernel (to int64, or
+    # to float64 with logprobs: exact for any token id).
+    host = torch.stack([tokens, finite] + ([lp.double()] if lp is not None else [])).cpu()
     token_ids = [int(t) for t in host[0].tolist()]
     ok = [bool(f) for f in host[1].tolist()]
     lps = host[2].tolist() if lp is not None else [None] * n
