@@ -30,7 +30,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tests.triton_interp import child_main, run_child  # noqa: E402
+from tests.triton_interp import child_main, case_result, module_results  # noqa: E402
 FORMATS = ("auto", "bf16", "int8", "rk4v4", "rk4v4-e8")
 
 # (name, fmt, hq, hkv, d, lens, page, splits, seed)
@@ -97,16 +97,12 @@ def _child() -> int:
     return child_main(CASES, _run_case)
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_child(__file__)
+results = module_results(__file__)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_paged_decode_matches_reference(results, case):
-    r = results.get(case[0])
-    assert r is not None, f"case {case[0]} did not run"
-    assert "error" not in r, r.get("error")
+    r = case_result(results, case[0])
     assert r["finite"], "NaN/Inf in output: some element was not written"
     assert r["empty_ok"], "a zero-length sequence must give zeros"
     tol = TOL.get(case[1], 1e-2)

@@ -29,7 +29,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tests.triton_interp import child_main, run_child  # noqa: E402
+from tests.triton_interp import child_main, case_result, module_results  # noqa: E402
 
 DTYPES = ("bfloat16", "float16", "float32")
 # (name, kind, dtype, params, seed)
@@ -294,16 +294,9 @@ def _child() -> int:
     return child_main(CASES, _run_case)
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_child(__file__)
+results = module_results(__file__)
 
 
-def _result(results, case):
-    r = results.get(case[0])
-    assert r is not None, f"case {case[0]} did not run"
-    assert "error" not in r, r.get("error")
-    return r
 
 
 KERNEL_CASES = [c for c in CASES if c[1] != "model"]
@@ -311,7 +304,7 @@ KERNEL_CASES = [c for c in CASES if c[1] != "model"]
 
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=[c[0] for c in KERNEL_CASES])
 def test_fused_kernel_matches_torch(results, case):
-    r = _result(results, case)
+    r = case_result(results, case[0])
     _, kind, dt, p, _ = case
     assert not [k for k in r if k.endswith("_shape")], f"wrong output shape/dtype: {r}"
     assert r["guards"] and r["wrote_into_out"], f"wrote outside the given buffers or ignored them: {r}"
@@ -333,7 +326,7 @@ def test_fused_kernel_matches_torch(results, case):
 
 @pytest.mark.parametrize("case", MODEL_CASES, ids=[c[0] for c in MODEL_CASES])
 def test_model_forward_with_fused_kernels(results, case):
-    r = _result(results, case)
+    r = case_result(results, case[0])
     n = r["layers"]
     # the last (decode) step's launches: 1 rmsnorm (first layer), 2 fused add+norm per layer
     # (the first layer's second, then each next layer's first and the final norm), 1+1 per layer

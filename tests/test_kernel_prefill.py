@@ -28,7 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.triton_interp import FORMATS, child_main, run_child  # noqa: E402
+from tests.triton_interp import FORMATS, child_main, case_result, module_results  # noqa: E402
 
 # (name, fmt, hq, hkv, d, [(cached, new) per sequence], seed[, paged_prefill tiling kwargs])
 CASES = []
@@ -115,16 +115,12 @@ def _child() -> int:
     return child_main(CASES, _run_case)
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_child(__file__)
+results = module_results(__file__)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_paged_prefill_matches_reference(results, case):
-    r = results.get(case[0])
-    assert r is not None, f"case {case[0]} did not run"
-    assert "error" not in r, r.get("error")
+    r = case_result(results, case[0])
     assert r["finite"], "NaN/Inf in the output: an element was not written, or poison leaked in"
     assert r["excess"] <= 0, f"error above 2^-8 relative + 1e-5 by {r['excess']:.3e} (rel {r['rel']:.2e})"
     assert r["rel"] <= 5e-3, f"relative error {r['rel']:.2e} vs the unrounded reference"

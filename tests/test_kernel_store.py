@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tests.triton_interp import FORMATS, child_main, exact_values, run_child  # noqa: E402,F401
+from tests.triton_interp import FORMATS, child_main, exact_values, case_result, module_results  # noqa: E402,F401
 
 # (name, fmt, kind, T, Hkv, D, dtype, seed)
 CASES = []
@@ -119,16 +119,12 @@ def _child() -> int:
     return child_main(CASES, _run_case)
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_child(__file__)
+results = module_results(__file__)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_store_kv_bit_exact(results, case):
-    r = results.get(case[0])
-    assert r is not None, f"case {case[0]} did not run"
-    assert "error" not in r, r.get("error")
+    r = case_result(results, case[0])
     assert r["stored"] > 0
     assert all(v == 0 for v in r["mismatched_bytes"].values()), f"planes differ from the reference: {r}"
 

@@ -23,7 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.triton_interp import FORMATS, child_main, exact_values, run_child  # noqa: E402
+from tests.triton_interp import FORMATS, child_main, exact_values, case_result, module_results  # noqa: E402
 
 CASES = [(f, 100 + i) for i, f in enumerate(FORMATS)]  # (format, seed); the format names the case
 
@@ -84,16 +84,12 @@ def _child() -> int:
     return child_main(CASES, _run_case)
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_child(__file__)
+results = module_results(__file__)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_triton_backend_matches_reference(results, fmt):
-    r = results.get(fmt)
-    assert r is not None, f"{fmt} did not run"
-    assert "error" not in r, r.get("error")
+    r = case_result(results, fmt)
     assert r["decode_flags"] == [False, False, True]
     assert all(r["planes_equal"]), f"pools differ after steps: {r['planes_equal']}"
     assert all(x <= 1e-2 for x in r["rel"]), f"relative errors per step {r['rel']}"

@@ -63,6 +63,24 @@ def run_child(test_file: str, timeout: int = 600) -> dict:
     return out
 
 
+def module_results(test_file: str):
+    """The module-scoped ``results`` fixture of a kernel test file: its child's cases, run once."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def results() -> dict:
+        return run_child(test_file)
+    return results
+
+
+def case_result(results: dict, name: str) -> dict:
+    """One case's result; fails when the child did not run it or the case raised."""
+    r = results.get(name)
+    assert r is not None, f"case {name} did not run"
+    assert "error" not in r, r.get("error")
+    return r
+
+
 def exact_values(gen, shape, dtype, lo: int = -6, hi: int = 6):
     """Random values k/32 * 2^e (|k| < 256, e in [lo, hi] per 64-group): exact in bf16/fp16/fp32, and
     any float32 summation order of a 64-term +-1/8 rotation of them is exact (14 significant bits)."""

@@ -253,8 +253,7 @@ class LLMEngine:
         if req.num_output_tokens < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(req.eos_token_ids))
         # Only the penalties read the output ids: skip copying them (O(output) per step) otherwise.
-        penalties = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-        return SampleRow(p, req.generator, req.prompt_token_ids, req.output_token_ids if penalties else [], banned)
+        return SampleRow(p, req.generator, req.prompt_token_ids, req.output_token_ids if p.penalized else [], banned)
 
     def _check_stop(self, req: Request, tok: int) -> None:
         p = req.params

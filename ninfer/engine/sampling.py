@@ -80,6 +80,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
+    @property
+    def penalized(self) -> bool:
+        """Repetition / presence / frequency penalties: the only readers of a row's output ids."""
+        return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty)
+
 
 @dataclass
 class SampleRow:
@@ -136,8 +141,7 @@ def _filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def _needs_penalties(row: SampleRow) -> bool:
-    p = row.params
-    return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or row.banned_token_ids)
+    return row.params.penalized or bool(row.banned_token_ids)
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
@@ -152,21 +156,18 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     finite = torch.isfinite(logits).all(dim=-1)
     penalized = [i for i, r in enumerate(rows) if _needs_penalties(r)]
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-    if not penalized and len(greedy) == n:
-        # The common decode batch: one argmax over the raw rows (a finite row is what the zeroing
-        # below leaves it; a non-finite row's token is discarded either way). Saves kernel launches.
-        tokens = logits.argmax(dim=-1)
-    else:
+    x = logits
+    if penalized or len(greedy) < n:
         # Non-finite rows are reported, not sampled; zeroing them keeps multinomial from raising.
+        # (An all-greedy batch skips it: a non-finite row's argmax is discarded either way.)
         x = torch.where(finite[:, None], logits, torch.zeros((), device=logits.device))
+        for i in penalized:  # x is a fresh tensor here: the penalties may write it in place
+            x[i] = _apply_penalties(x[i], rows[i])
+    if len(greedy) == n:
+        tokens = x.argmax(dim=-1)
+    else:
         tokens = torch.zeros(n, dtype=torch.long, device=logits.device)
-        if penalized:
-            x = x.clone()
-            for i in penalized:
-                x[i] = _apply_penalties(x[i], rows[i])
-        if len(greedy) == n:
-            tokens = x.argmax(dim=-1)
-        elif greedy:
+        if greedy:
             idx = torch.tensor(greedy, dtype=torch.long, device=logits.device)
             tokens[idx] = x[idx].argmax(dim=-1)
         for i, r in enumerate(rows):
