@@ -59,7 +59,7 @@ def store_rows(fmts, t: int, hkv: int, d: int) -> list[dict]:
 
 def decode_rows(fmts, ctx: int, calls: int | None, geom=(32, 8, 128), variants=(None,)) -> list[dict]:
     from ninfer.bench.kernels import DecodeCase
-    from ninfer.kernels.paged_decode import CUDA_DEFAULT_CFG, paged_decode, paged_decode_ref
+    from ninfer.kernels.paged_decode import CUDA_DEFAULT_CFG, cuda_kernel_info, paged_decode, paged_decode_ref
     from ninfer.kernels._common import fmt_code
     from ninfer.kvcache.formats import get_format
     rows = []
@@ -69,6 +69,8 @@ def decode_rows(fmts, ctx: int, calls: int | None, geom=(32, 8, 128), variants=(
         ref = None
         for var in variants:
             cfg = None if var is None else (*CUDA_DEFAULT_CFG[fmt_code(get_format(name))][:3], var)
+            if cfg is not None and name == "int8":
+                continue  # the control runs its default only
 
             def call():
                 return paged_decode(c.q, c.kp, c.vp, c.tables[0], c.seq_lens, name, c.scale, out=c.outs[0],
@@ -83,8 +85,10 @@ def decode_rows(fmts, ctx: int, calls: int | None, geom=(32, 8, 128), variants=(
             if ref is None:
                 ref = paged_decode_ref(c.q, c.kp, c.vp, c.tables[0], c.seq_lens, name, c.scale)
             rel = float((c.outs[0].float() - ref).norm() / ref.norm())
+            info = cuda_kernel_info(name, d, torch.device("cuda"), cfg=cfg)
             rows.append({"kind": "decode", "format": name, "ctx": ctx, "geometry": f"{hq}q/{hkv}kv/D{d}",
-                         "variant": var, "rel_err": rel, "us": graph_us(call, 10)})
+                         "variant": var, "regs": info["regs"], "blocks_per_sm": info["blocks_per_sm"],
+                         "rel_err": rel, "us": graph_us(call, 10)})
         c = ref = None  # free the pool before the next format
     return rows
 
@@ -113,7 +117,8 @@ def main() -> int:
     p.add_argument("--ctx", type=int, default=90000)
     p.add_argument("--only", default=None, help="one format (decode only), e.g. under ncu")
     p.add_argument("--calls", type=int, default=None, help="with --only: launch this many decodes, no timing")
-    p.add_argument("--variants", action="store_true", help="time every CUDA decode variant (VAR 0..3)")
+    p.add_argument("--variants", action="store_true",
+                   help="also time the 4-bit kernels compiled without the register cap (MINB 1)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if a.only:
@@ -122,16 +127,18 @@ def main() -> int:
     rows = []
     for t in (1, 8, 4096):
         rows += store_rows(("bf16", "int8", "rk4v4-e8"), t, 8, 128)
-    var = (0, 1, 2, 3) if a.variants else (None,)
-    prebuild(("int8", "rk4v4-e8"), (128, 256), var)
+    var = (None, 1) if a.variants else (None,)
+    fmts = ("int8", "rk4v4", "rk4v4-e8")
+    prebuild(fmts, (128, 256), var)
     for geom in ((32, 8, 128), (24, 4, 256)):
         for ctx in (a.ctx, 131072):
-            rows += decode_rows(("int8", "rk4v4-e8"), ctx, None, geom, var)
+            rows += decode_rows(fmts, ctx, None, geom, var if geom[2] == 128 else (None,))
     if a.out:
         Path(a.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
     for r in rows:
         extra = f"mismatches={r['mismatches']}" if r["kind"] == "store" else f"rel_err={r['rel_err']:.2e}"
-        size = f"T={r['tokens']}" if r["kind"] == "store" else f"ctx={r['ctx']} {r['geometry']} v{r['variant']}"
+        size = (f"T={r['tokens']}" if r["kind"] == "store" else
+                f"ctx={r['ctx']} {r['geometry']} minb={r['variant'] or 'dflt'} regs={r['regs']} bps={r['blocks_per_sm']}")
         print(f"{r['kind']:7s} {r['format']:9s} {size:28s} {r['us']:9.2f} us  {extra}")
     return 0
 

@@ -130,10 +130,12 @@ def test_wrapper_rejects_bad_shapes():
 
 
 # ----------------------------------------------------------------------------- CUDA path arithmetic
-# The CUDA split kernel (``_CUDA_SRC`` in paged_decode.py) turns stored words into fp16 MMA
-# operands with a few PTX bit tricks. They cannot run here, so this test emulates exactly those
-# operations in numpy (lop3 (a & m) | b, prmt, sub/fma.f16x2 with fp16 rounding) and checks them
-# bit-exactly against the codec's reference decode. The GPU benchmark checks the whole kernel.
+# The CUDA split kernel (``_CUDA_SRC`` in paged_decode.py) feeds stored 4-bit words to fp16 MMAs as raw
+# operands (1024 + u, 1024 + 16 u) and moves the -8 offset, the x16, the E8 coset bit and the nibble-7
+# parity fix out of the element path: a per-row constant and one feature k-step for K, one feature
+# tile and a per-element correction at the end for V. None of that can run here, so these tests
+# emulate exactly those operations in numpy (lop3, prmt, fp16 rounding of the MMA operands) for one
+# 64-group and compare with the codec's reference decode in float64. The GPU tests check the kernel.
 def _h2(u32):
     import numpy as np
     return np.array([u32 & 0xFFFF, u32 >> 16], dtype=np.uint16).view(np.float16)
@@ -149,11 +151,6 @@ def _hsub2(a, b):
     return _u32(_h2(a) - _h2(b))
 
 
-def _hfma2(a, b, c):
-    import numpy as np
-    return _u32((_h2(a).astype(np.float64) * _h2(b) + _h2(c)).astype(np.float16))
-
-
 def _lop(a, m, b):
     return ((a & m) | b) & 0xFFFFFFFF
 
@@ -163,61 +160,121 @@ def _prmt(a, b, sel):
     return sum(src[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
 
 
-def _e8_fix(w):
-    return w ^ ((((w & 0x11111111) * 0x11111111) & 0xFFFFFFFF) & 0x10000000)
-
-
-def _k_word(w, e8):
-    if e8:
-        c = (w >> 28) & 1
-        w = _e8_fix(w)
-        lo_sub, hi_base = 0x48004800 - c * 0x00800080, 0x64006400 | (c * 0x00080008)
-    else:
-        lo_sub, hi_base = 0x48004800, 0x64006400
+def _raw_word(w):  # raw_word(): (nib s, nib s+4) as 1024 + u (s even) / 1024 + 16 u (s odd)
     y = w >> 8
-    return [_hsub2(_hsub2(_lop(w, 0x000F000F, 0x64006400), 0x64006400), lo_sub),
-            _hfma2(_lop(w, 0x00F000F0, hi_base), 0x2C002C00, 0xD480D480),
-            _hsub2(_hsub2(_lop(y, 0x000F000F, 0x64006400), 0x64006400), lo_sub),
-            _hfma2(_lop(y, 0x00F000F0, hi_base), 0x2C002C00, 0xD480D480)]
+    return [_lop(w, 0x000F000F, 0x64006400), _lop(w, 0x00F000F0, 0x64006400),
+            _lop(y, 0x000F000F, 0x64006400), _lop(y, 0x00F000F0, 0x64006400)]
 
 
-def test_cuda_word_conversions_match_codec():
+def _e8_par(w):
+    return ((w & 0x01111111) * 0x11111111) & 0xFFFFFFFF
+
+
+def _feat2(a, b, mask, base):
+    return _lop(_prmt(a, b, 0x7030), mask, base)
+
+
+def _k_score(words, qv, e8_fmt, exact_weights=False):
+    """One token's score over one 64-group as the kernel forms it: data MMAs on raw operands against
+    fp16(q / sc), the E8 feature k-step against fp16 weights, plus the prologue's constant."""
+    import numpy as np
+    inv = np.array([0.0625 if (d // 8) % 2 else 1.0 for d in range(64)], dtype=np.float32)
+    qh = (qv.astype(np.float32) * inv).astype(np.float16).astype(np.float64)  # B operand of the data MMAs
+    qe = qh / inv
+    total, wabs = 0.0, 0.0
+    wc, wp = np.zeros(8), np.zeros(8)
+    for w in range(8):
+        dims = [8 * j + w for j in range(8)]
+        qs, q7 = qe[dims].sum(), qe[56 + w]
+        if e8_fmt:
+            wc[w], wp[w] = (0.5 * qs - q7) * 16 / 15, q7 * 16 / 15
+            if not exact_weights:
+                wc[w], wp[w] = float(np.float16(wc[w])), float(np.float16(wp[w]))
+        total += -(1024 * qh[dims].sum() + 8 * qs) - 0.0625 * (wc[w] + wp[w])  # accumulator init
+        wabs += abs(0.5 * qs - q7) + abs(q7)
+    for w, word in enumerate(words):
+        for s_, pair in enumerate(_raw_word(int(word))):
+            a = _h2(pair).astype(np.float64)
+            total += a[0] * qh[8 * s_ + w] + a[1] * qh[8 * (s_ + 4) + w]
+    if e8_fmt:  # k = 2ti + h: c of word 2ti + h; k = 2ti + 8 + h: its parity
+        for w in range(0, 8, 2):
+            fc = _h2(_feat2(int(words[w]), int(words[w + 1]), 0x10001000, 0x2C002C00)).astype(np.float64)
+            fp = _h2(_feat2(_e8_par(int(words[w])), _e8_par(int(words[w + 1])), 0x10001000, 0x2C002C00))
+            total += fc @ wc[w:w + 2] + fp.astype(np.float64) @ wp[w:w + 2]
+    return total, qe, wabs
+
+
+def _v_block(words, p, e8_fmt):
+    """O of the 8 dims of one word over 16 tokens as the kernel forms it: data MMAs on sc (u - 8)
+    operands, the feature tile (c, par), the end correction; words[t] = the word of token t and
+    p = the fp16 weights (P^T with the V scale folded in)."""
+    import numpy as np
+    o = np.zeros(8)  # [2qq] = dim 16qq + gi (low nibble), [2qq+1] = dim 16qq + 8 + gi (high)
+    f_c = f_p = 0.0
+    for k in range(0, 16, 2):
+        wa, wb, pk = int(words[k]), int(words[k + 1]), p[k:k + 2].astype(np.float64)
+        if e8_fmt:
+            f_c += _h2(_feat2(wa, wb, 0x10001000, 0)).astype(np.float64) @ pk
+            f_p += _h2(_feat2(_e8_par(wa), _e8_par(wb), 0x10001000, 0)).astype(np.float64) @ pk
+        for qq in range(4):
+            x = _prmt(wa, wb, qq | (qq << 4) | ((qq + 4) << 8) | ((qq + 4) << 12))
+            o[2 * qq] += _h2(_hsub2(_lop(x, 0x000F000F, 0x64006400), 0x64086408)).astype(np.float64) @ pk
+            o[2 * qq + 1] += _h2(_hsub2(_lop(x, 0x00F000F0, 0x64006400), 0x64806480)).astype(np.float64) @ pk
+    fc, f7 = f_c * 2048, f_p * 2048 - f_c * 2048
+    for qq in range(4):
+        o[2 * qq + 1] *= 0.0625
+        if e8_fmt:
+            o[2 * qq] += 0.5 * fc
+            o[2 * qq + 1] += 0.5 * fc + (f7 if qq == 3 else 0.0)
+    return o
+
+
+def test_cuda_raw_operand_algebra_matches_codec():
     import numpy as np
     import torch
 
     from ninfer.kernels.paged_decode import _CUDA_SRC
     from ninfer.kvcache import e8
 
-    for const in ("0x48004800u", "0x64006400u", "0x2C002C00u", "0xD480D480u", "0x11111111u", "0x64806480u",
-                  "0x80808080u", "0x4140u", "0x4342u"):
+    for const in ("0x000f000fu, 0x64006400u", "0x00f000f0u, 0x64006400u", "0x01111111u", "0x11111111u",
+                  "0x7030u", "0x10001000u", "0x2C002C00u", "0x64086408u", "0x64806480u", "16.f / 15.f",
+                  "1024.f", "2048.f", "0.0625f"):
         assert const in _CUDA_SRC, f"CUDA source no longer uses {const}: update this emulation"
-    z = torch.randn(40, 64, generator=torch.Generator().manual_seed(7)) * 3
-    z[0] = 0.0
-    z[1] = 100.0  # box corners
-    for e8_fmt in (True, False):
-        data = (e8.encode_e8(z) if e8_fmt else e8.encode_scalar4(z))
-        ref = (e8.decode_e8(data) if e8_fmt else e8.decode_scalar4(data)).numpy()
-        words = data.numpy().view(np.uint32)  # [40, 8]
-        for t in range(40):
-            for w in range(8):
-                # K operand: word -> (nibble s, nibble s+4) = dims (8s + w, 8(s+4) + w)
-                for s_, pair in enumerate(_k_word(int(words[t, w]), e8_fmt)):
-                    assert list(_h2(pair).astype(np.float32)) == [ref[t, 8 * s_ + w], ref[t, 8 * (s_ + 4) + w]]
-        if not e8_fmt:
-            continue
-        for t in range(0, 40, 2):  # V operand: byte q of two tokens -> dims 16q + w (low), 16q + 8 + w (high)
-            for w in range(8):
-                wa, wb = int(words[t, w]), int(words[t + 1, w])
-                ca, cb = (wa >> 28) & 1, (wb >> 28) & 1
-                wa, wb = _e8_fix(wa), _e8_fix(wb)
-                lo_sub = 0x48004800 - (ca * 0x80 + cb * 0x00800000)
-                hi_base = 0x64006400 | (ca << 3) | (cb << 19)
-                for q in range(4):
-                    x = _prmt(wa, wb, q | (q << 4) | ((q + 4) << 8) | ((q + 4) << 12))
-                    lo = _h2(_hsub2(_hsub2(_lop(x, 0x000F000F, 0x64006400), 0x64006400), lo_sub))
-                    hi = _h2(_hfma2(_lop(x, 0x00F000F0, hi_base), 0x2C002C00, 0xD480D480))
-                    assert list(lo.astype(np.float32)) == [ref[t, 16 * q + w], ref[t + 1, 16 * q + w]]
-                    assert list(hi.astype(np.float32)) == [ref[t, 16 * q + 8 + w], ref[t + 1, 16 * q + 8 + w]]
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        z = torch.randn(48, 64, generator=gen) * 3
+        z[0], z[1] = 0.0, 100.0  # box corners
+        rng = np.random.default_rng(seed)
+        for e8_fmt in (True, False):
+            data = e8.encode_e8(z) if e8_fmt else e8.encode_scalar4(z)
+            ref = (e8.decode_e8(data) if e8_fmt else e8.decode_scalar4(data)).double().numpy()
+            words = data.numpy().view(np.uint32)  # [48, 8]: word w holds dims 8j + w
+            # K: every token against a few random q rows (rotated-domain values, as the kernel scales them)
+            for t in range(48):
+                for _ in range(2):
+                    qv = (rng.standard_normal(64) * rng.uniform(0.05, 20)).astype(np.float32)
+                    exact, qe, _ = _k_score(words[t], qv, e8_fmt, exact_weights=True)
+                    want = float(qe @ ref[t])
+                    assert abs(exact - want) <= 1e-9 * (1024 * np.abs(qe).sum() + 1), (e8_fmt, t, exact, want)
+                    got, qe, wabs = _k_score(words[t], qv, e8_fmt)
+                    assert abs(got - want) <= 2.0 ** -11 * wabs * 1.01 + 1e-9 * 1024 * np.abs(qe).sum()
+            # V: 16 tokens per tile, every word (lane row gi); one weight is a masked slot (0)
+            for t0 in range(0, 48, 16):
+                p = (rng.uniform(0, 1, 16) * rng.uniform(0.01, 256)).astype(np.float16)
+                p[rng.integers(0, 16)] = 0
+                for gi in range(8):
+                    got = _v_block(words[t0:t0 + 16, gi], p, e8_fmt)
+                    dims = [d for qq in range(4) for d in (16 * qq + gi, 16 * qq + 8 + gi)]
+                    want = p.astype(np.float64) @ ref[t0:t0 + 16][:, dims]
+                    assert np.abs(got - want).max() <= 1e-9 * float(p.astype(np.float64).sum()), (e8_fmt, gi)
+
+
+def test_cuda_int8_operands_match_codec():
+    import numpy as np
+
+    from ninfer.kernels.paged_decode import _CUDA_SRC
+    for const in ("0x64806480u", "0x80808080u", "0x4140u", "0x4342u"):
+        assert const in _CUDA_SRC, f"CUDA source no longer uses {const}: update this emulation"
     # int8: x ^ 0x80808080, prmt with 0x64 bytes -> 1024 + u, minus 1152
     b8 = np.random.default_rng(3).integers(-127, 128, size=(8, 16)).astype(np.int8)
     for t in range(8):

@@ -295,7 +295,7 @@ def _check_plane(name: str, t: torch.Tensor, dtype, hkv: int, extent: int, page:
 def paged_decode(q: torch.Tensor, k_planes, v_planes, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  fmt_name: str, scale: float, *, num_splits: int | None = None,
                  out: torch.Tensor | None = None, backend: str | None = None,
-                 num_warps: int = 4, cuda_cfg: tuple[int, int, int] | None = None) -> torch.Tensor:
+                 num_warps: int = 4, cuda_cfg: tuple[int, ...] | None = None) -> torch.Tensor:
     """Decode attention of one new query token per sequence over its paged, cached K/V.
 
     Parameters
@@ -315,7 +315,7 @@ def paged_decode(q: torch.Tensor, k_planes, v_planes, block_tables: torch.Tensor
     backend : ``"triton"``, ``"cuda"`` (the CUDA C++ split kernel, int8/rk4v4/rk4v4-e8, head_dim
         128/256, GQA group <= 8, page 64; raises if it cannot run) or ``"auto"`` (cuda where it can
         run, else triton). Default: ``$NINFER_DECODE_BACKEND`` or ``auto``.
-    num_warps, cuda_cfg : tuning knobs for the benchmark (Triton warps; CUDA (warps, chunk, stages)).
+    num_warps, cuda_cfg : tuning knobs for the benchmark (Triton warps; CUDA (warps, chunk, stages[, min blocks per SM])).
 
     Returns
     -------

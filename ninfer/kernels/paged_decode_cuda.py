@@ -37,8 +37,17 @@ from ninfer.kvcache.formats import GROUP, get_format
 _CUDA_SRC = (Path(__file__).parent / "csrc" / "paged_decode.cu").read_text()
 
 _CUDA_FMT = {FMT_INT8: 1, FMT_RK4: 2, FMT_E8: 3}
-# (NW warps, CHUNK tokens per pipeline stage, NST stages) per format kind
-CUDA_DEFAULT_CFG = {FMT_INT8: (8, 16, 3), FMT_RK4: (8, 32, 2), FMT_E8: (8, 32, 2)}
+# (NW warps, CHUNK tokens per pipeline stage, NST stages, MINB) per format kind. MINB = blocks per SM
+# the registers must allow (ptxas's cap; 2 -> 128 registers): the 4-bit kernels at D <= 128 want
+# 166 registers uncapped and run 1 block per SM, 4-6% slower than capped at 2 blocks per SM with no
+# spill in the loop (H200, docs/KERNELS.md). D = 256 cannot fit two blocks and always uses 1.
+CUDA_DEFAULT_CFG = {FMT_INT8: (8, 16, 3, 1), FMT_RK4: (8, 32, 2, 2), FMT_E8: (8, 32, 2, 2)}
+
+
+def _key(code: int, head_dim: int, q_dtype, cfg=None) -> tuple:
+    nw, chunk, nst, *rest = tuple(cfg or CUDA_DEFAULT_CFG[code])
+    minb = rest[0] if rest and head_dim <= 128 else 1
+    return (_CUDA_FMT[code], head_dim, "bf16" if q_dtype == torch.bfloat16 else "fp16", nw, chunk, nst, minb)
 
 
 class _CudaDecode:
@@ -80,8 +89,8 @@ class _CudaDecode:
         return d
 
     def build(self, key: tuple, arch: str) -> Path:
-        fmt_c, d, qt, nw, chunk, nst = key
-        defs = {"ND_FMT": fmt_c, "ND_D": d, "ND_NW": nw, "ND_CHUNK": chunk, "ND_NST": nst,
+        fmt_c, d, qt, nw, chunk, nst, minb = key
+        defs = {"ND_FMT": fmt_c, "ND_D": d, "ND_NW": nw, "ND_CHUNK": chunk, "ND_NST": nst, "ND_MINB": minb,
                 "ND_QT": "__nv_bfloat16" if qt == "bf16" else "__half"}
         tag = hashlib.sha1((_CUDA_SRC + repr(sorted(defs.items())) + arch).encode()).hexdigest()[:16]
         out = self._cache_dir() / f"nd_decode_{tag}.cubin"
@@ -150,7 +159,7 @@ _CUDA = _CudaDecode()
 
 
 def _cuda_smem_bytes(key: tuple) -> int:
-    fmt_c, d, _qt, nw, chunk, nst = key
+    fmt_c, d, _qt, nw, chunk, nst, _minb = key
     g = d // GROUP
     rb = d if fmt_c == 1 else d // 2
     stage = chunk * (2 * rb + 4 * g)
@@ -201,8 +210,8 @@ def _paged_decode_cuda_split(q, kd, ks, vd, vs, block_tables, seq_lens, mid_o, m
     for t, nm in ((kd, "k"), (vd, "v"), (ks, "k_scale"), (vs, "v_scale")):
         if not t.is_contiguous():
             raise ValueError(f"paged_decode(cuda): plane {nm} must be contiguous")
-    nw, chunk, nst = cfg
-    key = (_CUDA_FMT[code], d, "bf16" if q.dtype == torch.bfloat16 else "fp16", nw, chunk, nst)
+    key = _key(code, d, q.dtype, cfg)
+    nw = key[3]
     _mod, fn, smem, _occ, _regs = _CUDA.function(key, q.device)
     esz = kd.element_size()
     stream = torch.cuda.current_stream(q.device).cuda_stream
@@ -218,9 +227,7 @@ def cuda_num_splits(batch: int, num_kv_heads: int, max_pages: int, device: torch
                     head_dim: int, q_dtype=torch.bfloat16, cfg=None) -> int:
     """Splits for the CUDA path: one wave of resident blocks (occupancy x SMs), from fixed sizes only."""
     code = fmt_code(get_format(fmt_name))
-    cfg = cfg or CUDA_DEFAULT_CFG[code]
-    key = (_CUDA_FMT[code], head_dim, "bf16" if q_dtype == torch.bfloat16 else "fp16", *cfg)
-    _mod, _fn, _smem, occ, _regs = _CUDA.function(key, device)
+    _mod, _fn, _smem, occ, _regs = _CUDA.function(_key(code, head_dim, q_dtype, cfg), device)
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
@@ -231,7 +238,7 @@ def cuda_num_splits(batch: int, num_kv_heads: int, max_pages: int, device: torch
 def cuda_kernel_info(fmt_name: str, head_dim: int, device: torch.device, q_dtype=torch.bfloat16, cfg=None) -> dict:
     """Registers, shared memory and occupancy of the CUDA split kernel (for the benchmark report)."""
     code = fmt_code(get_format(fmt_name))
-    cfg = cfg or CUDA_DEFAULT_CFG[code]
-    key = (_CUDA_FMT[code], head_dim, "bf16" if q_dtype == torch.bfloat16 else "fp16", *cfg)
+    key = _key(code, head_dim, q_dtype, cfg)
     _mod, _fn, smem, occ, regs = _CUDA.function(key, device)
-    return {"regs": regs, "dyn_smem": smem, "blocks_per_sm": occ, "warps": cfg[0], "chunk": cfg[1], "stages": cfg[2]}
+    return {"regs": regs, "dyn_smem": smem, "blocks_per_sm": occ, "warps": key[3], "chunk": key[4], "stages": key[5],
+            "min_blocks": key[6]}

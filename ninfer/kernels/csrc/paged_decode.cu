@@ -7,27 +7,27 @@ namespace nd {
 
 __device__ __forceinline__ uint32_t lop_and_or(uint32_t a, uint32_t m, uint32_t b) {
   uint32_t r;
-  asm volatile("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(m), "r"(b));  // (a & m) | b
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(m), "r"(b));  // (a & m) | b
   return r;
 }
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t r;
-  asm volatile("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
   return r;
 }
 __device__ __forceinline__ uint32_t hsub2u(uint32_t a, uint32_t b) {
   uint32_t r;
-  asm volatile("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 }
 __device__ __forceinline__ uint32_t hfma2u(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t r;
-  asm volatile("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
   return r;
 }
 __device__ __forceinline__ uint32_t hmul2u(uint32_t a, uint32_t b) {
   uint32_t r;
-  asm volatile("mul.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  asm("mul.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 }
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
@@ -54,48 +54,30 @@ __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_grou
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
-// E8 word (8 offset-binary nibbles, nibble j in bits [4j, 4j+4), coset bit c in bit 28):
-// true low bit of nibble 7 = parity of nibbles 0..6. xor of all 8 stored low bits = par ^ c, so
-// flipping bit 28 by that xor puts par there. The multiply sums the eight low bits in the top nibble.
-__device__ __forceinline__ uint32_t e8_fix(uint32_t w) {
-  uint32_t m = (w & 0x11111111u) * 0x11111111u;
-  return w ^ (m & 0x10000000u);
+// 4-bit words as raw fp16 MMA operands. A word holds 8 offset-binary nibbles u_j (bits 4j..4j+3);
+// (w & 0x000f000f) | 0x6400 is the half2 (1024 + u_0, 1024 + u_4) and (w & 0x00f000f0) | 0x6400 is
+// (1024 + 16 u_1, 1024 + 16 u_5): one lop3 per two coordinates. K takes them as they are (Q / 16 for
+// odd nibbles and a per-row constant in the accumulator; the score accumulator lives for one
+// sub-chunk, so the bias costs no precision); V subtracts the bias first (one sub.f16x2, exact) since
+// its accumulators live for the whole split. The E8 lattice is out of the element path too: per word
+// (= E8 block, dims 8j + w) the coset bit c (stored as nibble 7's low bit) and the parity par of
+// nibbles 0..6 (nibble 7's true low bit) enter as two features of one extra MMA k-step (K) or one
+// extra m-tile (V). Stored nibble 7 = true - par + c and every coordinate gains c/2, so
+//   sum_d q_d k_d = sum_d q_d (u_d - 8) + sum_w [par_w q_7w + c_w (Qs_w / 2 - q_7w)]   (Qs_w = block sum).
+__device__ __forceinline__ void raw_word(uint32_t w, uint32_t* out) {  // (nib s, nib s+4), s = 0..3
+  const uint32_t y = w >> 8;
+  out[0] = lop_and_or(w, 0x000f000fu, 0x64006400u);
+  out[1] = lop_and_or(w, 0x00f000f0u, 0x64006400u);
+  out[2] = lop_and_or(y, 0x000f000fu, 0x64006400u);
+  out[3] = lop_and_or(y, 0x00f000f0u, 0x64006400u);
 }
-
-// K operand (same token, dims in pairs): word -> 4 half2 (nib s, nib s+4), s = 0..3, as p = n + c/2.
-template <bool E8>
-__device__ __forceinline__ void k_word(uint32_t w, uint32_t* out) {
-  uint32_t lo_sub, hi_base;
-  if (E8) {
-    uint32_t c = (w >> 28) & 1u;
-    w = e8_fix(w);
-    lo_sub = 0x48004800u - c * 0x00800080u;  // half2(8 - c/2)
-    hi_base = 0x64006400u | (c * 0x00080008u);  // 1024 + 16u + 8c
-  } else {
-    lo_sub = 0x48004800u;
-    hi_base = 0x64006400u;
-  }
-  const uint32_t k1024 = 0x64006400u;
-  const uint32_t k16 = 0x2C002C00u;   // 1/16
-  const uint32_t km72 = 0xD480D480u;  // -72
-  uint32_t y = w >> 8;
-  out[0] = hsub2u(hsub2u(lop_and_or(w, 0x000f000fu, k1024), k1024), lo_sub);
-  out[1] = hfma2u(lop_and_or(w, 0x00f000f0u, hi_base), k16, km72);
-  out[2] = hsub2u(hsub2u(lop_and_or(y, 0x000f000fu, k1024), k1024), lo_sub);
-  out[3] = hfma2u(lop_and_or(y, 0x00f000f0u, hi_base), k16, km72);
+// Bit 28 = parity of the low bits of nibbles 0..6 (the multiply sums them into the top nibble).
+__device__ __forceinline__ uint32_t e8_par(uint32_t w) { return (w & 0x01111111u) * 0x11111111u; }
+// Bit 28 of a and of b as one half2 feature pair: bits 12 / 28, then (x & mask) | base.
+// mask 0x10001000: base 0 gives {0, 2^-11}; base 0x2C002C00 gives {1/16, 1}.
+__device__ __forceinline__ uint32_t feat2(uint32_t a, uint32_t b, uint32_t mask, uint32_t base) {
+  return lop_and_or(prmt(a, b, 0x7030u), mask, base);
 }
-
-// V operand (two tokens a, b; same dims): byte q of both words -> (lo nibble pair, hi nibble pair).
-__device__ __forceinline__ void v_pair(uint32_t wa, uint32_t wb, int q, uint32_t lo_sub, uint32_t hi_base,
-                                       uint32_t& lo, uint32_t& hi) {
-  const uint32_t k1024 = 0x64006400u;
-  const uint32_t k16 = 0x2C002C00u;
-  const uint32_t km72 = 0xD480D480u;
-  uint32_t x = prmt(wa, wb, (uint32_t)(q | (q << 4) | ((q + 4) << 8) | ((q + 4) << 12)));
-  lo = hsub2u(hsub2u(lop_and_or(x, 0x000f000fu, k1024), k1024), lo_sub);
-  hi = hfma2u(lop_and_or(x, 0x00f000f0u, hi_base), k16, km72);
-}
-
 // Sign pattern s_i of the format's rotation R = S.H64.S: (-1)^parity((i & (i >> 1)) & 0b010101).
 __device__ __forceinline__ float rot_sign(int i) {
   return (__popc((i & (i >> 1)) & 0x15) & 1) ? -1.f : 1.f;
@@ -128,6 +110,8 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
   __shared__ float q_s[8][D];
   __shared__ float m_s[NW][8];
   __shared__ float l_s[NW][8];
+  __shared__ float c_s[8][G];            // 4-bit: score accumulator's initial value per (row, group)
+  __shared__ __half wf_s[8][G][16];      // rk4v4-e8: feature weights (c: words 0..7, par: 8..15)
 
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int tid_all = threadIdx.x, warp = tid_all / 32, lane = tid_all % 32;
@@ -182,27 +166,73 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
 #pragma unroll
   for (int i = 0; i < NST - 1; ++i) issue(i);
 
-  // ---- Q: load the group's rows (fp32), rotate by H64 (in-place fast Walsh-Hadamard, /8).
-  for (int i = tid_all; i < 8 * D; i += NW * 32) {
-    int r = i / D, d = i % D;
-    q_s[r][d] = r < group ? to_f<QT>(q[b * sq_b + (h0 + r) * sq_h + d]) * (ROT ? rot_sign(d & 63) : 1.f) : 0.f;
-  }
-  __syncthreads();
+  // ---- Q: the group's rows in fp32. Rotated formats: one warp per row rotates it by R = S.H64.S / 8
+  // with shuffles (lane l holds dims QV*l .. QV*l + QV-1) and derives the score MMA's constants.
+  // The MMA sees q as qh = fp16(q / sc) against 1024 + sc * u (sc = 16 for odd nibbles j), so a
+  // group's accumulator starts at -sum(1024 qh + 8 qe) (qe = sc * qh, what multiplies u); E8 adds the
+  // feature weights (Qs_w / 2 - q7_w, q7_w) * 16/15 (features are 1/16 + 15/16 bit) and their 1/16 part.
+  const float qmul = ROT ? 0.125f : 1.f;
   if (ROT) {
+    constexpr int QV = D / 32;          // dims per lane; dim bits 3..5 (nibble j) = lane bits below
+    constexpr int JL = 8 / QV;          // lane xor of dim bit 3
+    for (int r = warp; r < 8; r += NW) {
+      float v[QV];
 #pragma unroll
-    for (int hbit = 1; hbit < 64; hbit <<= 1) {
-      for (int i = tid_all; i < 8 * D / 2; i += NW * 32) {
-        int r = i / (D / 2), pidx = i % (D / 2);
-        int lowp = pidx & (hbit - 1);
-        int d0 = ((pidx - lowp) << 1) + lowp;
-        float a = q_s[r][d0], c = q_s[r][d0 + hbit];
-        q_s[r][d0] = a + c;
-        q_s[r][d0 + hbit] = a - c;
+      for (int i = 0; i < QV; ++i) {
+        const int d = QV * lane + i;
+        v[i] = r < group ? to_f<QT>(q[b * sq_b + (h0 + r) * sq_h + d]) * rot_sign(d & 63) : 0.f;
       }
-      __syncthreads();
+#pragma unroll
+      for (int hb = 1; hb < QV; hb <<= 1)  // in-register butterflies
+#pragma unroll
+        for (int i = 0; i < QV; ++i)
+          if (!(i & hb)) {
+            const float a = v[i], c = v[i + hb];
+            v[i] = a + c;
+            v[i + hb] = a - c;
+          }
+#pragma unroll
+      for (int lb = 1; lb < 64 / QV; lb <<= 1)  // across lanes
+#pragma unroll
+        for (int i = 0; i < QV; ++i) {
+          const float o_ = __shfl_xor_sync(0xffffffffu, v[i], lb);
+          v[i] = (lane & lb) ? o_ - v[i] : v[i] + o_;
+        }
+      float csum = 0.f;
+#pragma unroll
+      for (int i = 0; i < QV; ++i) {
+        const int d = QV * lane + i;
+        const bool odd = (d >> 3) & 1;
+        v[i] *= qmul * rot_sign(d & 63);
+        q_s[r][d] = v[i];
+        const float qh = __half2float(__float2half_rn(v[i] * (odd ? 0.0625f : 1.f)));
+        const float qe = odd ? qh * 16.f : qh;
+        csum -= 1024.f * qh + 8.f * qe;
+        if (FMT == 3) {
+          float qs = qe;  // block sum over the 8 nibbles j of word w = d % 8
+#pragma unroll
+          for (int m = JL; m < 8 * JL; m <<= 1) qs += __shfl_xor_sync(0xffffffffu, qs, m);
+          const float q7 = __shfl_sync(0xffffffffu, qe, lane | (7 * JL));
+          const __half wc = __float2half_rn((0.5f * qs - q7) * (16.f / 15.f));
+          const __half wp = __float2half_rn(q7 * (16.f / 15.f));
+          if (((d >> 3) & 7) == 0) {  // one lane per word
+            wf_s[r][d >> 6][d & 7] = wc;
+            wf_s[r][d >> 6][8 + (d & 7)] = wp;
+            csum -= 0.0625f * (__half2float(wc) + __half2float(wp));
+          }
+        }
+      }
+#pragma unroll
+      for (int m = 1; m < 64 / QV; m <<= 1) csum += __shfl_xor_sync(0xffffffffu, csum, m);
+      if ((lane & (64 / QV - 1)) == 0) c_s[r][lane / (64 / QV)] = csum;
+    }
+  } else {
+    for (int i = tid_all; i < 8 * D; i += NW * 32) {
+      int r = i / D, d = i % D;
+      q_s[r][d] = r < group ? to_f<QT>(q[b * sq_b + (h0 + r) * sq_h + d]) : 0.f;
     }
   }
-  const float qmul = ROT ? 0.125f : 1.f;  // (and the sign pattern again, below): R = S.H64.S
+  __syncthreads();
   // B fragments of Q^T for the score MMA: per k-step 2 regs (row n = gi).
   uint32_t qb[KSTEPS][2];
 #pragma unroll
@@ -220,15 +250,28 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
       d10 = d00 + 1;
       d11 = d00 + 33;
     }
-    const float m00 = ROT ? qmul * rot_sign(d00 & 63) : qmul, m01 = ROT ? qmul * rot_sign(d01 & 63) : qmul;
-    const float m10 = ROT ? qmul * rot_sign(d10 & 63) : qmul, m11 = ROT ? qmul * rot_sign(d11 & 63) : qmul;
-    qb[ks_][0] = pack_half2(q_s[gi][d00] * m00, q_s[gi][d01] * m01);
-    qb[ks_][1] = pack_half2(q_s[gi][d10] * m10, q_s[gi][d11] * m11);
+    const float inv = (ROT && (s & 1)) ? 0.0625f : 1.f;  // odd nibbles arrive as 1024 + 16 u
+    qb[ks_][0] = pack_half2(q_s[gi][d00] * inv, q_s[gi][d01] * inv);
+    qb[ks_][1] = pack_half2(q_s[gi][d10] * inv, q_s[gi][d11] * inv);
+  }
+  // 4-bit: score accumulator init per group (rows 2ti, 2ti+1) and the E8 feature k-step's B fragment.
+  float cin[G][2];
+  uint32_t qf[G][2];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    cin[g][0] = ROT ? c_s[2 * ti][g] : 0.f;
+    cin[g][1] = ROT ? c_s[2 * ti + 1][g] : 0.f;
+    qf[g][0] = FMT == 3 ? *reinterpret_cast<const uint32_t*>(&wf_s[gi][g][2 * ti]) : 0u;
+    qf[g][1] = FMT == 3 ? *reinterpret_cast<const uint32_t*>(&wf_s[gi][g][8 + 2 * ti]) : 0u;
   }
 
   float o[KSTEPS][4];
 #pragma unroll
   for (int i = 0; i < KSTEPS; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  // rk4v4-e8 V features per group: row gi = sum p c (x 2^-11) of word gi, row gi + 8 = sum p par.
+  float vf[G][4];
+#pragma unroll
+  for (int g = 0; g < G; ++g) vf[g][0] = vf[g][1] = vf[g][2] = vf[g][3] = 0.f;
   float m_r[2] = {-INFINITY, -INFINITY};
   float l_r[2] = {0.f, 0.f};
 
@@ -251,7 +294,7 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
       float tot[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        float acc[4] = {cin[g][0], cin[g][1], cin[g][0], cin[g][1]};
         if (FMT == 1) {
           const int ch = 4 * g + ti;
           uint4 wa = *reinterpret_cast<const uint4*>(sk + ta * RB + ((ch ^ (ta & (NCH - 1))) << 4));
@@ -273,13 +316,19 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
           uint2 wa = *reinterpret_cast<const uint2*>(sk + ta * RB + ((ch ^ (ta & (NCH - 1))) << 4) + inner);
           uint2 wb = *reinterpret_cast<const uint2*>(sk + tb * RB + ((ch ^ (tb & (NCH - 1))) << 4) + inner);
           uint32_t ra0[4], ra1[4], rb0[4], rb1[4];
-          k_word<FMT == 3>(wa.x, ra0);
-          k_word<FMT == 3>(wa.y, ra1);
-          k_word<FMT == 3>(wb.x, rb0);
-          k_word<FMT == 3>(wb.y, rb1);
+          raw_word(wa.x, ra0);
+          raw_word(wa.y, ra1);
+          raw_word(wb.x, rb0);
+          raw_word(wb.y, rb1);
 #pragma unroll
           for (int s = 0; s < 4; ++s)
             mma16816(acc, ra0[s], rb0[s], ra1[s], rb1[s], qb[g * 4 + s][0], qb[g * 4 + s][1]);
+          if (FMT == 3) {  // k = 2ti + h: c of word 2ti + h; k = 2ti + 8 + h: its par
+            const uint32_t one16 = 0x2C002C00u, bit = 0x10001000u;
+            mma16816(acc, feat2(wa.x, wa.y, bit, one16), feat2(wb.x, wb.y, bit, one16),
+                     feat2(e8_par(wa.x), e8_par(wa.y), bit, one16), feat2(e8_par(wb.x), e8_par(wb.y), bit, one16),
+                     qf[g][0], qf[g][1]);
+          }
         }
         float sa = __half2float(sks[ta * G + g]), sb = __half2float(sks[tb * G + g]);
         tot[0] += sa * acc[0];
@@ -324,6 +373,13 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
         o[i][1] *= alpha[1];
         o[i][2] *= alpha[0];
         o[i][3] *= alpha[1];
+      }
+#pragma unroll
+      for (int g = 0; g < (FMT == 3 ? G : 0); ++g) {
+        vf[g][0] *= alpha[0];
+        vf[g][1] *= alpha[1];
+        vf[g][2] *= alpha[0];
+        vf[g][3] *= alpha[1];
       }
     }
 #pragma unroll
@@ -386,21 +442,22 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
             int t = toks[k];
             w[k] = *reinterpret_cast<const uint32_t*>(sv + t * RB + ((ch ^ (t & (NCH - 1))) << 4) + inner);
           }
-          uint32_t lo01 = 0x48004800u, hi01 = 0x64006400u, lo89 = 0x48004800u, hi89 = 0x64006400u;
           if (FMT == 3) {
-            uint32_t c0 = (w[0] >> 28) & 1u, c1 = (w[1] >> 28) & 1u, c8 = (w[2] >> 28) & 1u, c9 = (w[3] >> 28) & 1u;
-#pragma unroll
-            for (int k = 0; k < 4; ++k) w[k] = e8_fix(w[k]);
-            lo01 -= c0 * 0x80u + c1 * 0x00800000u;
-            hi01 |= (c0 << 3) | (c1 << 19);
-            lo89 -= c8 * 0x80u + c9 * 0x00800000u;
-            hi89 |= (c8 << 3) | (c9 << 19);
+            const uint32_t bit = 0x10001000u;
+            mma16816(vf[g], feat2(w[0], w[1], bit, 0u), feat2(e8_par(w[0]), e8_par(w[1]), bit, 0u),
+                     feat2(w[2], w[3], bit, 0u), feat2(e8_par(w[2]), e8_par(w[3]), bit, 0u), b0, b1);
           }
 #pragma unroll
           for (int qq = 0; qq < 4; ++qq) {
-            uint32_t a0, a1, a2, a3;
-            v_pair(w[0], w[1], qq, lo01, hi01, a0, a1);
-            v_pair(w[2], w[3], qq, lo89, hi89, a2, a3);
+            // byte qq of two tokens: low nibbles (dims 16qq + gi) as u - 8, high (16qq + 8 + gi) as 16 (u - 8):
+            // V accumulates over the whole split, so the 1024 bias goes before the MMA (exact in fp16)
+            const uint32_t sel = (uint32_t)(qq | (qq << 4) | ((qq + 4) << 8) | ((qq + 4) << 12));
+            const uint32_t x01 = prmt(w[0], w[1], sel), x89 = prmt(w[2], w[3], sel);
+            const uint32_t lo8 = 0x64086408u, hi8 = 0x64806480u;  // 1032, 1152
+            const uint32_t a0 = hsub2u(lop_and_or(x01, 0x000f000fu, 0x64006400u), lo8);
+            const uint32_t a1 = hsub2u(lop_and_or(x01, 0x00f000f0u, 0x64006400u), hi8);
+            const uint32_t a2 = hsub2u(lop_and_or(x89, 0x000f000fu, 0x64006400u), lo8);
+            const uint32_t a3 = hsub2u(lop_and_or(x89, 0x00f000f0u, 0x64006400u), hi8);
             mma16816(o[g * 4 + qq], a0, a1, a2, a3, b0, b1);
           }
         }
@@ -409,6 +466,26 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
     __syncwarp();
   }
   cp_wait<0>();
+  if (ROT) {
+    // V operands were sc (u - 8) with sc = 16 on odd nibbles (rows gi + 8 of every m-tile). rk4v4-e8:
+    // every coordinate of word gi gains c/2 and its nibble 7 (m-tile 3 of the group) par - c.
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float fc = vf[g][h] * 2048.f, f7 = vf[g][2 + h] * 2048.f - fc;
+#pragma unroll
+        for (int qq = 0; qq < 4; ++qq) {
+          float* acc = o[g * 4 + qq];
+          acc[2 + h] *= 0.0625f;
+          if (FMT == 3) {
+            acc[h] += 0.5f * fc;
+            acc[2 + h] += 0.5f * fc + (qq == 3 ? f7 : 0.f);
+          }
+        }
+      }
+    }
+  }
 
   // ---- merge the warps of the block, write this split's partial (H64 domain for rotated formats)
 #pragma unroll
@@ -465,7 +542,10 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
 }  // namespace nd
 
 #ifdef ND_FMT
-extern "C" __global__ void __launch_bounds__(ND_NW * 32)
+#ifndef ND_MINB
+#define ND_MINB 1
+#endif
+extern "C" __global__ void __launch_bounds__(ND_NW * 32, ND_MINB)
 nd_decode(const ND_QT* __restrict__ q, const uint8_t* __restrict__ kd, const __half* __restrict__ ks,
           const uint8_t* __restrict__ vd, const __half* __restrict__ vs, const int* __restrict__ bt,
           const int* __restrict__ sl, float* __restrict__ mid_o, float* __restrict__ mid_lse, int64_t sq_b,
