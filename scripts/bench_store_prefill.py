@@ -93,6 +93,43 @@ def store_case(fmt_name, hkv, d, tokens, bw, gen, compare_dot=True):
     return row
 
 
+STORE_CFGS = [(16, 4), (16, 2), (16, 8), (32, 4), (32, 8), (8, 2), (64, 8)]  # (tokens per program, warps)
+
+
+def store_sweep(fmt_name, hkv, d, tokens, bw, gen):
+    """Store tilings side by side: every one must write the same bytes as the default (checked
+    against the reference encoder by store_case), then timed."""
+    import torch
+
+    import ninfer.kernels.store_kv as sk
+    from ninfer.kvcache.formats import get_format
+    fmt = get_format(fmt_name)
+    dev = torch.device(DEV)
+    pages = 2 * tokens // PAGE
+    k = torch.randn(tokens, hkv, d, device=dev, generator=gen).to(torch.bfloat16)
+    v = torch.randn(tokens, hkv, d, device=dev, generator=gen).to(torch.bfloat16) * 3
+    slots = torch.randperm(pages * PAGE, device=dev, generator=gen)[:tokens]
+    moved = 2 * k.numel() * 2 + slots.numel() * 8
+    ref, rows = None, []
+    for bt, nw in STORE_CFGS:
+        planes = {pl.name: torch.zeros(pages, hkv, PAGE, pl.extent, dtype=pl.dtype, device=dev)
+                  for pl in fmt.planes(d, torch.bfloat16)}
+        row = {"kind": "store_cfg", "format": fmt_name, "hkv": hkv, "d": d, "tokens": tokens, "block_t": bt,
+               "num_warps": nw}
+        try:
+            sk.store_kv(k, v, planes, slots, fmt_name, block_t=bt, num_warps=nw)
+            got = torch.cat([p.view(torch.uint8).flatten() for p in planes.values()])
+            ref = got if ref is None else ref
+            row["same_bytes_as_default"] = bool(torch.equal(got, ref))
+            us = bench(lambda: sk.store_kv(k, v, planes, slots, fmt_name, block_t=bt, num_warps=nw))
+            total = moved + sum(p.element_size() * tokens * hkv * p.shape[3] for p in planes.values())
+            row.update(us=us, pct_copy=100 * total / (us * 1e-6) / bw)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+    return rows
+
+
 def prefill_case(fmt_name, hq, hkv, d, ctx, chunk, gen, sweep_until):
     import torch
 
@@ -161,13 +198,21 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--no-sweep", action="store_true", help="only the default prefill tiling")
     ap.add_argument("--budget-s", type=float, default=65.0, help="stop tiling sweeps after this much time")
+    ap.add_argument("--store-only", action="store_true", help="store (8kv/D128) and its tiling sweep only")
     args = ap.parse_args()
     import torch
     t0 = time.time()
     gen = torch.Generator(device=DEV).manual_seed(0)
     rows = []
     bw = copy_bw()
-    for hq, hkv, d in GEOMS:
+    if args.store_only:
+        for f in ("rk4v4-e8", "int8", "rk4v4"):
+            new = [store_case(f, 8, 128, args.tokens, bw, gen, compare_dot=False)]
+            new += store_sweep(f, 8, 128, args.tokens, bw, gen)
+            for r in new:
+                print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+            rows += new
+    for hq, hkv, d in GEOMS if not args.store_only else ():
         for f in FORMATS:
             try:
                 rows.append(store_case(f, hkv, d, args.tokens, bw, gen, compare_dot=d == 256))  # compiles cost time
@@ -176,7 +221,7 @@ def main() -> int:
                              "error": f"{type(e).__name__}: {str(e)[:300]}", "trace": traceback.format_exc()[-800:]})
             torch.cuda.empty_cache()
     n_pref = len(GEOMS) * len(FORMATS)
-    for i, (hq, hkv, d) in enumerate(GEOMS):
+    for i, (hq, hkv, d) in enumerate(GEOMS if not args.store_only else ()):
         for j, f in enumerate(FORMATS):
             # leave each remaining case its share of the budget for its sweep
             left = args.budget_s - (time.time() - t0)
@@ -194,6 +239,9 @@ def main() -> int:
         geo = f"{r.get('hkv')}kv/D{r.get('d')}" if r["kind"] == "store" else f"{r.get('hq')}q/{r.get('hkv')}kv/D{r.get('d')}"
         if "error" in r:
             print(f"| {r['kind']} | {geo} | {r['format']} | ERROR | | {r['error'][:120]} | |")
+        elif r["kind"] == "store_cfg":
+            print(f"| store | {geo} | {r['format']} BT={r['block_t']} w={r['num_warps']} | {r['us']:.1f} us | "
+                  f"{r['pct_copy']:.1f}% | same bytes: {r['same_bytes_as_default']} | |")
         elif r["kind"] == "store":
             alt = f"dot-rotation {r['us_dot_rotation']:.1f} us" if "us_dot_rotation" in r else ""
             print(f"| store | {geo} | {r['format']} | {r['us']:.1f} us | {r['pct_copy']:.1f}% | "

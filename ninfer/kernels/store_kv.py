@@ -204,9 +204,11 @@ def _check_plane(planes: dict, name: str, dtype: torch.dtype, hkv: int, extent: 
     return p
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch.Tensor, fmt_name: str) -> None:
+def store_kv(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch.Tensor, fmt_name: str,
+             *, block_t: int | None = None, num_warps: int | None = None) -> None:
     """Encode k/v [T, Hkv, D] with format ``fmt_name`` and write them to ``planes`` (the pool's
-    per-layer dict) at ``slot_mapping`` [T] (page * page_size + offset; -1 = skip). In place."""
+    per-layer dict) at ``slot_mapping`` [T] (page * page_size + offset; -1 = skip). In place.
+    block_t / num_warps: tuning knobs for the benchmark (tokens per program, a power of 2 >= 2)."""
     fmt = get_format(fmt_name)
     if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(f"store_kv: k {list(k.shape)} and v {list(v.shape)} must both be [T, Hkv, D]")
@@ -249,7 +251,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch
         k = k.contiguous()
     if v.stride(2) != 1:
         v = v.contiguous()
-    bt = BLOCK_T_COPY if code == FMT_COPY else BLOCK_T
+    bt = block_t or (BLOCK_T_COPY if code == FMT_COPY else BLOCK_T)
+    if bt < 2 or bt & (bt - 1):
+        raise ValueError(f"store_kv: block_t must be a power of 2 >= 2, got {bt}")
     if STORE_FWHT or code in (FMT_COPY, FMT_INT8):  # only the tl.dot rotation needs 16 rows
         bt = min(bt, max(2, triton.next_power_of_2(t)))
     grid = (triton.cdiv(t, bt), hkv, 2 * (1 if code == FMT_COPY else d // GROUP))
@@ -257,5 +261,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch
         k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), kd, ks, vd, vs, slot_mapping,
         t, hkv, float(fmt.scale_divisor or 1.0),
         FMT=code, D=d, BLOCK_D=triton.next_power_of_2(d), PAGE=page, BT=bt, FWHT=STORE_FWHT,
-        num_warps=1 if bt <= 4 else 4,
+        num_warps=num_warps or (1 if bt <= 4 else 4),
         enable_fp_fusion=False)  # no FMA contraction: every rounding as in the reference
