@@ -34,7 +34,9 @@ import torch
 from ninfer.kernels._common import FMT_E8, FMT_INT8, FMT_RK4, LOG2E, SM_COUNT as _SM_COUNT, fmt_code
 from ninfer.kvcache.formats import GROUP, get_format
 
-_CUDA_SRC = (Path(__file__).parent / "csrc" / "paged_decode.cu").read_text()
+# the kernel and its header, compiled side by side; _CUDA_SRC (both texts) keys the cubin cache
+_CUDA_FILES = {n: (Path(__file__).parent / "csrc" / n).read_text() for n in ("decode_ops.cuh", "paged_decode.cu")}
+_CUDA_SRC = "".join(_CUDA_FILES.values())
 
 _CUDA_FMT = {FMT_INT8: 1, FMT_RK4: 2, FMT_E8: 3}
 # (NW warps, CHUNK tokens per pipeline stage, NST stages, MINB) per format kind. MINB = blocks per SM
@@ -100,8 +102,9 @@ class _CudaDecode:
         if nvcc is None:
             raise RuntimeError("paged_decode CUDA path: nvcc not found")
         with tempfile.TemporaryDirectory() as tmp:
-            cu = Path(tmp) / "nd_decode.cu"
-            cu.write_text(_CUDA_SRC)
+            for name, text in _CUDA_FILES.items():
+                (Path(tmp) / name).write_text(text)
+            cu = Path(tmp) / "paged_decode.cu"
             tmp_out = Path(tmp) / "out.cubin"
             cmd = [nvcc, "-cubin", f"-arch={arch}", "-O3", "-std=c++17", "-o", str(tmp_out), str(cu)]
             cmd += [f"-D{k}={v}" for k, v in defs.items()]

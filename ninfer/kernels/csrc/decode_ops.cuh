@@ -1,0 +1,94 @@
+// ninfer paged decode, CUDA path: PTX wrappers and the 4-bit operand tricks (see paged_decode.cu).
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace nd {
+
+__device__ __forceinline__ uint32_t lop_and_or(uint32_t a, uint32_t m, uint32_t b) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(m), "r"(b));  // (a & m) | b
+  return r;
+}
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+__device__ __forceinline__ uint32_t hsub2u(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ uint32_t hfma2u(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+__device__ __forceinline__ uint32_t hmul2u(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("mul.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+__device__ __forceinline__ void mma16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t movtrans(uint32_t x) {
+  uint32_t r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+  return r;
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// 4-bit words as raw fp16 MMA operands. A word holds 8 offset-binary nibbles u_j (bits 4j..4j+3);
+// (w & 0x000f000f) | 0x6400 is the half2 (1024 + u_0, 1024 + u_4) and (w & 0x00f000f0) | 0x6400 is
+// (1024 + 16 u_1, 1024 + 16 u_5): one lop3 per two coordinates. K takes them as they are (Q / 16 for
+// odd nibbles and a per-row constant in the accumulator; the score accumulator lives for one
+// sub-chunk, so the bias costs no precision); V subtracts the bias first (one sub.f16x2, exact) since
+// its accumulators live for the whole split. The E8 lattice is out of the element path too: per word
+// (= E8 block, dims 8j + w) the coset bit c (stored as nibble 7's low bit) and the parity par of
+// nibbles 0..6 (nibble 7's true low bit) enter as two features of one extra MMA k-step (K) or one
+// extra m-tile (V). Stored nibble 7 = true - par + c and every coordinate gains c/2, so
+//   sum_d q_d k_d = sum_d q_d (u_d - 8) + sum_w [par_w q_7w + c_w (Qs_w / 2 - q_7w)]   (Qs_w = block sum).
+__device__ __forceinline__ void raw_word(uint32_t w, uint32_t* out) {  // (nib s, nib s+4), s = 0..3
+  const uint32_t y = w >> 8;
+  out[0] = lop_and_or(w, 0x000f000fu, 0x64006400u);
+  out[1] = lop_and_or(w, 0x00f000f0u, 0x64006400u);
+  out[2] = lop_and_or(y, 0x000f000fu, 0x64006400u);
+  out[3] = lop_and_or(y, 0x00f000f0u, 0x64006400u);
+}
+// Bit 28 = parity of the low bits of nibbles 0..6 (the multiply sums them into the top nibble).
+__device__ __forceinline__ uint32_t e8_par(uint32_t w) { return (w & 0x01111111u) * 0x11111111u; }
+// Bit 28 of a and of b as one half2 feature pair: bits 12 / 28, then (x & mask) | base.
+// mask 0x10001000: base 0 gives {0, 2^-11}; base 0x2C002C00 gives {1/16, 1}.
+__device__ __forceinline__ uint32_t feat2(uint32_t a, uint32_t b, uint32_t mask, uint32_t base) {
+  return lop_and_or(prmt(a, b, 0x7030u), mask, base);
+}
+// Sign pattern s_i of the format's rotation R = S.H64.S: (-1)^parity((i & (i >> 1)) & 0b010101).
+__device__ __forceinline__ float rot_sign(int i) {
+  return (__popc((i & (i >> 1)) & 0x15) & 1) ? -1.f : 1.f;
+}
+
+template <typename QT>
+__device__ __forceinline__ float to_f(QT x);
+template <>
+__device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x); }
+template <>
+__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+}  // namespace nd
