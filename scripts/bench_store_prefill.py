@@ -51,21 +51,33 @@ def copy_bw() -> float:
     return 2 * x.numel() / (us * 1e-6)  # bytes/s, read + write
 
 
-def store_case(fmt_name, hkv, d, tokens, bw, gen, compare_dot=True):
+def store_inputs(fmt_name, hkv, d, tokens, gen):
+    """Random bf16 K/V of `tokens` rows, random distinct slots in a pool twice that size, and a
+    maker of zeroed planes for it."""
     import torch
 
-    import ninfer.kernels.store_kv as sk
     from ninfer.kvcache.formats import get_format
-
-    row = {"kind": "store", "format": fmt_name, "hkv": hkv, "d": d, "tokens": tokens}
     fmt = get_format(fmt_name)
     dev = torch.device(DEV)
     pages = 2 * tokens // PAGE
     k = torch.randn(tokens, hkv, d, device=dev, generator=gen).to(torch.bfloat16)
     v = torch.randn(tokens, hkv, d, device=dev, generator=gen).to(torch.bfloat16) * 3
     slots = torch.randperm(pages * PAGE, device=dev, generator=gen)[:tokens]
-    planes = {pl.name: torch.zeros(pages, hkv, PAGE, pl.extent, dtype=pl.dtype, device=dev)
-              for pl in fmt.planes(d, torch.bfloat16)}
+
+    def new_planes():
+        return {pl.name: torch.zeros(pages, hkv, PAGE, pl.extent, dtype=pl.dtype, device=dev)
+                for pl in fmt.planes(d, torch.bfloat16)}
+    return fmt, k, v, slots, new_planes
+
+
+def store_case(fmt_name, hkv, d, tokens, bw, gen, compare_dot=True):
+    import torch
+
+    import ninfer.kernels.store_kv as sk
+
+    row = {"kind": "store", "format": fmt_name, "hkv": hkv, "d": d, "tokens": tokens}
+    fmt, k, v, slots, new_planes = store_inputs(fmt_name, hkv, d, tokens, gen)
+    planes = new_planes()
     sk.store_kv(k, v, planes, slots, fmt_name)
     torch.cuda.synchronize()
     pg, off = slots // PAGE, slots % PAGE
@@ -102,18 +114,11 @@ def store_sweep(fmt_name, hkv, d, tokens, bw, gen):
     import torch
 
     import ninfer.kernels.store_kv as sk
-    from ninfer.kvcache.formats import get_format
-    fmt = get_format(fmt_name)
-    dev = torch.device(DEV)
-    pages = 2 * tokens // PAGE
-    k = torch.randn(tokens, hkv, d, device=dev, generator=gen).to(torch.bfloat16)
-    v = torch.randn(tokens, hkv, d, device=dev, generator=gen).to(torch.bfloat16) * 3
-    slots = torch.randperm(pages * PAGE, device=dev, generator=gen)[:tokens]
+    _fmt, k, v, slots, new_planes = store_inputs(fmt_name, hkv, d, tokens, gen)
     moved = 2 * k.numel() * 2 + slots.numel() * 8
     ref, rows = None, []
     for bt, nw in STORE_CFGS:
-        planes = {pl.name: torch.zeros(pages, hkv, PAGE, pl.extent, dtype=pl.dtype, device=dev)
-                  for pl in fmt.planes(d, torch.bfloat16)}
+        planes = new_planes()
         row = {"kind": "store_cfg", "format": fmt_name, "hkv": hkv, "d": d, "tokens": tokens, "block_t": bt,
                "num_warps": nw}
         try:
