@@ -210,6 +210,7 @@ def main() -> int:
     gen = torch.Generator(device=DEV).manual_seed(0)
     rows = []
     bw = copy_bw()
+    geoms = () if args.store_only else GEOMS
     if args.store_only:
         for f in ("rk4v4-e8", "int8", "rk4v4"):
             new = [store_case(f, 8, 128, args.tokens, bw, gen, compare_dot=False)]
@@ -217,7 +218,7 @@ def main() -> int:
             for r in new:
                 print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
             rows += new
-    for hq, hkv, d in GEOMS if not args.store_only else ():
+    for hq, hkv, d in geoms:
         for f in FORMATS:
             try:
                 rows.append(store_case(f, hkv, d, args.tokens, bw, gen, compare_dot=d == 256))  # compiles cost time
@@ -226,7 +227,7 @@ def main() -> int:
                              "error": f"{type(e).__name__}: {str(e)[:300]}", "trace": traceback.format_exc()[-800:]})
             torch.cuda.empty_cache()
     n_pref = len(GEOMS) * len(FORMATS)
-    for i, (hq, hkv, d) in enumerate(GEOMS if not args.store_only else ()):
+    for i, (hq, hkv, d) in enumerate(geoms):
         for j, f in enumerate(FORMATS):
             # leave each remaining case its share of the budget for its sweep
             left = args.budget_s - (time.time() - t0)

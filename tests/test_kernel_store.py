@@ -43,6 +43,9 @@ CASES.append(("rk4v4-e8-decode-d256-t2", "rk4v4-e8", "random", 2, 2, 256, "bfloa
 # several programs per head, every 64-group of a D=256 row in its own program
 for _f in ("int8", "rk4v4", "rk4v4-e8"):
     CASES.append((f"{_f}-d256-t70", _f, "random", 70, 2, 256, "bfloat16", 14))
+# the benchmark's tiling knob (tokens per program): other tiles, same bytes as the reference
+CASES.append(("rk4v4-e8-bt32", "rk4v4-e8", "random", 70, 2, 128, "bfloat16", 15, 32))
+CASES.append(("int8-bt8", "int8", "random", 37, 2, 128, "bfloat16", 16, 8))
 
 
 def _ties(gen, fmt, shape):
@@ -62,7 +65,7 @@ def _ties(gen, fmt, shape):
     return x.to(torch.float32)
 
 
-def _run_case(name, fmt_name, kind, t, hkv, d, dtype_name, seed):
+def _run_case(name, fmt_name, kind, t, hkv, d, dtype_name, seed, block_t=None):
     import torch
 
     from ninfer.kernels.store_kv import store_kv
@@ -103,7 +106,7 @@ def _run_case(name, fmt_name, kind, t, hkv, d, dtype_name, seed):
                             generator=gen, dtype=torch.uint8)
         planes[pl.name] = raw.view(pl.dtype).clone()
         ref[pl.name] = raw.view(pl.dtype).clone()
-    store_kv(k, v, planes, slots, fmt_name)
+    store_kv(k, v, planes, slots, fmt_name, block_t=block_t)
     keep = slots >= 0
     pg, off = slots[keep] // page, slots[keep] % page
     for which, x in (("k", k), ("v", v)):
@@ -153,6 +156,11 @@ def test_store_kv_rejects_bad_inputs():
         store_kv(k, k, {"k": planes["k"], "v": planes["v"]}, slots, "rk4v4")  # scales missing
     with pytest.raises(ValueError):
         store_kv(k, k, planes, slots, "rk2v4-e8")  # refused format
+    with pytest.raises(ValueError):
+        store_kv(k, k, planes, slots, "rk4v4-e8", block_t=24)  # not a power of 2
+    with pytest.raises(ValueError):
+        store_kv(k, k, planes, slots, "rk4v4-e8", num_warps=3)
+    assert all(int(p.view(torch.uint8).count_nonzero()) == 0 for p in planes.values())  # nothing written
 
 
 if __name__ == "__main__" and "--child" in sys.argv:

@@ -254,6 +254,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch
     bt = block_t or (BLOCK_T_COPY if code == FMT_COPY else BLOCK_T)
     if bt < 2 or bt & (bt - 1):
         raise ValueError(f"store_kv: block_t must be a power of 2 >= 2, got {bt}")
+    if num_warps is not None and (num_warps < 1 or num_warps > 32 or num_warps & (num_warps - 1)):
+        raise ValueError(f"store_kv: num_warps must be a power of 2 in 1..32, got {num_warps}")
     if STORE_FWHT or code in (FMT_COPY, FMT_INT8):  # only the tl.dot rotation needs 16 rows
         bt = min(bt, max(2, triton.next_power_of_2(t)))
     grid = (triton.cdiv(t, bt), hkv, 2 * (1 if code == FMT_COPY else d // GROUP))
