@@ -222,3 +222,19 @@ if __name__ == "__main__":  # the docs/ENGINE.md parity table
             run(llm, [shared + prompt_ids(10, seed=4)])
             row(name, "prefix hit", path, [shared + prompt_ids(25, seed=5)], llm)
             row(name, "long prompt", path, [prompt_ids(300, seed=6)], make_llm(path))
+
+
+def test_cpu_generation_needs_no_triton(tiny_model_dir: Path) -> None:
+    """Triton is an optional install (`pip install -e .`, README's main command, has none): on the CPU
+    the engine must load and generate with it unimportable."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['triton'] = None\n"  # any `import triton` now raises ImportError
+            "from ninfer import LLM, SamplingParams\n"
+            f"llm = LLM({str(tiny_model_dir)!r}, kv_dtype='rk4v4-e8', device='cpu', max_context=256, kv_capacity=512)\n"
+            "p = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)\n"
+            "print('TOKENS', len(llm.generate([[1, 2, 3, 4]], p, use_tqdm=False)[0].token_ids))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=str(Path(__file__).resolve().parent.parent))
+    assert res.returncode == 0 and "TOKENS 3" in res.stdout, res.stderr[-2000:]

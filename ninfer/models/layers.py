@@ -10,15 +10,29 @@ into the next RMSNorm: per layer 4 small kernels instead of ~50. Elsewhere (the 
 transformers-parity tests run) the torch code below runs unchanged."""
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ninfer.attention.base import AttentionMetadata, BaseAttentionBackend
-from ninfer.kernels.qk_norm_rope import qk_norm_rope
-from ninfer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
-from ninfer.kernels.silu_mul import silu_mul
 from ninfer.models.rope import apply_rotary
+
+
+def _kernel(module: str, name: str):
+    """A fused-op kernel imported on its first call: Triton is an optional install where they never
+    run (a CPU-only machine), so importing the model must not need it."""
+    def call(*args, **kwargs):
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+    call.__name__ = name
+    return call
+
+
+rmsnorm = _kernel("ninfer.kernels.rmsnorm", "rmsnorm")
+fused_add_rmsnorm = _kernel("ninfer.kernels.rmsnorm", "fused_add_rmsnorm")
+qk_norm_rope = _kernel("ninfer.kernels.qk_norm_rope", "qk_norm_rope")
+silu_mul = _kernel("ninfer.kernels.silu_mul", "silu_mul")
 
 
 def use_fused_kernels(x: torch.Tensor) -> bool:
