@@ -51,9 +51,10 @@ def copy_bw() -> float:
     return 2 * x.numel() / (us * 1e-6)  # bytes/s, read + write
 
 
-def store_inputs(fmt_name, hkv, d, tokens, gen):
-    """Random bf16 K/V of `tokens` rows, random distinct slots in a pool twice that size, and a
-    maker of zeroed planes for it."""
+def store_inputs(fmt_name, hkv, d, tokens, gen, pattern="pages"):
+    """Random bf16 K/V of `tokens` rows, distinct slots in a pool twice that size (``store_slots``:
+    whole pages in random order as a prefill writes them, or every token scattered), and a maker
+    of zeroed planes for it."""
     import torch
 
     from ninfer.kvcache.formats import get_format
@@ -62,7 +63,9 @@ def store_inputs(fmt_name, hkv, d, tokens, gen):
     pages = 2 * tokens // PAGE
     k = torch.randn(tokens, hkv, d, device=dev, generator=gen).to(torch.bfloat16)
     v = torch.randn(tokens, hkv, d, device=dev, generator=gen).to(torch.bfloat16) * 3
-    slots = torch.randperm(pages * PAGE, device=dev, generator=gen)[:tokens]
+    from ninfer.bench.kernels import store_slots
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), device=dev, generator=gen)))
+    slots = store_slots(tokens, pages, pattern, dev)
 
     def new_planes():
         return {pl.name: torch.zeros(pages, hkv, PAGE, pl.extent, dtype=pl.dtype, device=dev)
@@ -70,15 +73,16 @@ def store_inputs(fmt_name, hkv, d, tokens, gen):
     return fmt, k, v, slots, new_planes
 
 
-def store_case(fmt_name, hkv, d, tokens, bw, gen, compare_dot=True):
+def store_case(fmt_name, hkv, d, tokens, bw, gen, compare_dot=True, backend="auto", pattern="pages"):
     import torch
 
     import ninfer.kernels.store_kv as sk
 
-    row = {"kind": "store", "format": fmt_name, "hkv": hkv, "d": d, "tokens": tokens}
-    fmt, k, v, slots, new_planes = store_inputs(fmt_name, hkv, d, tokens, gen)
+    row = {"kind": "store", "format": fmt_name, "hkv": hkv, "d": d, "tokens": tokens, "backend": backend,
+           "slots": pattern}
+    fmt, k, v, slots, new_planes = store_inputs(fmt_name, hkv, d, tokens, gen, pattern)
     planes = new_planes()
-    sk.store_kv(k, v, planes, slots, fmt_name)
+    sk.store_kv(k, v, planes, slots, fmt_name, backend=backend)
     torch.cuda.synchronize()
     pg, off = slots // PAGE, slots % PAGE
     bad, nbytes, sbad = 0, 0, 0
@@ -93,46 +97,33 @@ def store_case(fmt_name, hkv, d, tokens, bw, gen, compare_dot=True):
     row.update(bad=bad / nbytes, scale_mismatch=sbad, ok=bad / nbytes <= 1e-3 and sbad <= 2)
     moved = 2 * k.numel() * 2 + slots.numel() * 8 + sum(
         p.element_size() * tokens * hkv * p.shape[3] for p in planes.values())
-    us = bench(lambda: sk.store_kv(k, v, planes, slots, fmt_name))
+    us = bench(lambda: sk.store_kv(k, v, planes, slots, fmt_name, backend=backend))
     row.update(us=us, pct_copy=100 * moved / (us * 1e-6) / bw)
-    if fmt.rotated and compare_dot:
+    if fmt.rotated and compare_dot and backend == "triton":
         old = sk.STORE_FWHT
         try:
             sk.STORE_FWHT = False
-            row["us_dot_rotation"] = bench(lambda: sk.store_kv(k, v, planes, slots, fmt_name))
+            row["us_dot_rotation"] = bench(lambda: sk.store_kv(k, v, planes, slots, fmt_name, backend=backend))
         finally:
             sk.STORE_FWHT = old
     return row
 
 
-STORE_CFGS = [(16, 4), (16, 2), (16, 8), (32, 4), (32, 8), (8, 2), (64, 8)]  # (tokens per program, warps)
-
-
-def store_sweep(fmt_name, hkv, d, tokens, bw, gen):
-    """Store tilings side by side: every one must write the same bytes as the default (checked
-    against the reference encoder by store_case), then timed."""
-    import torch
-
+def store_latency(fmt_name, hkv, d, tokens, gen, backend):
+    """A decode step's store (T = 1 or a few tokens), timed as CUDA-graph replays of 64 calls on
+    distinct inputs (the engine replays it inside its decode graph; eager timing would measure
+    the host's launch cost)."""
     import ninfer.kernels.store_kv as sk
-    _fmt, k, v, slots, new_planes = store_inputs(fmt_name, hkv, d, tokens, gen)
-    moved = 2 * k.numel() * 2 + slots.numel() * 8
-    ref, rows = None, []
-    for bt, nw in STORE_CFGS:
-        planes = new_planes()
-        row = {"kind": "store_cfg", "format": fmt_name, "hkv": hkv, "d": d, "tokens": tokens, "block_t": bt,
-               "num_warps": nw}
-        try:
-            sk.store_kv(k, v, planes, slots, fmt_name, block_t=bt, num_warps=nw)
-            got = torch.cat([p.view(torch.uint8).flatten() for p in planes.values()])
-            ref = got if ref is None else ref
-            row["same_bytes_as_default"] = bool(torch.equal(got, ref))
-            us = bench(lambda: sk.store_kv(k, v, planes, slots, fmt_name, block_t=bt, num_warps=nw))
-            total = moved + sum(p.element_size() * tokens * hkv * p.shape[3] for p in planes.values())
-            row.update(us=us, pct_copy=100 * total / (us * 1e-6) / bw)
-        except Exception as e:  # noqa: BLE001
-            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        rows.append(row)
-    return rows
+    from ninfer.bench.kernels import time_graph
+
+    sets = 64
+    fmt, k, v, slots, new_planes = store_inputs(fmt_name, hkv, d, tokens * sets, gen, "scattered")
+    planes = new_planes()
+    calls = [lambda i=i: sk.store_kv(k[i * tokens:(i + 1) * tokens], v[i * tokens:(i + 1) * tokens], planes,
+                                     slots[i * tokens:(i + 1) * tokens], fmt_name, backend=backend)
+             for i in range(sets)]
+    return {"kind": "store_latency", "format": fmt_name, "hkv": hkv, "d": d, "tokens": tokens, "backend": backend,
+            "us": time_graph(calls, 60)}
 
 
 def prefill_case(fmt_name, hq, hkv, d, ctx, chunk, gen, sweep_until):
@@ -203,7 +194,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--no-sweep", action="store_true", help="only the default prefill tiling")
     ap.add_argument("--budget-s", type=float, default=65.0, help="stop tiling sweeps after this much time")
-    ap.add_argument("--store-only", action="store_true", help="store (8kv/D128) and its tiling sweep only")
+    ap.add_argument("--store-only", action="store_true",
+                    help="store only (8kv/D128): both backends, and decode-sized stores (T = 1, 8)")
     args = ap.parse_args()
     import torch
     t0 = time.time()
@@ -212,9 +204,12 @@ def main() -> int:
     bw = copy_bw()
     geoms = () if args.store_only else GEOMS
     if args.store_only:
-        for f in ("rk4v4-e8", "int8", "rk4v4"):
-            new = [store_case(f, 8, 128, args.tokens, bw, gen, compare_dot=False)]
-            new += store_sweep(f, 8, 128, args.tokens, bw, gen)
+        for f in ("rk4v4-e8", "rk4v4", "int8", "bf16"):
+            new = []
+            for be in (("cuda", "triton") if f.startswith("rk4") else ("triton",)):
+                for pat in ("pages", "scattered"):
+                    new.append(store_case(f, 8, 128, args.tokens, bw, gen, compare_dot=False, backend=be, pattern=pat))
+                new += [store_latency(f, 8, 128, t, gen, be) for t in (1, 8)]
             for r in new:
                 print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
             rows += new
@@ -245,12 +240,11 @@ def main() -> int:
         geo = f"{r.get('hkv')}kv/D{r.get('d')}" if r["kind"] == "store" else f"{r.get('hq')}q/{r.get('hkv')}kv/D{r.get('d')}"
         if "error" in r:
             print(f"| {r['kind']} | {geo} | {r['format']} | ERROR | | {r['error'][:120]} | |")
-        elif r["kind"] == "store_cfg":
-            print(f"| store | {geo} | {r['format']} BT={r['block_t']} w={r['num_warps']} | {r['us']:.1f} us | "
-                  f"{r['pct_copy']:.1f}% | same bytes: {r['same_bytes_as_default']} | |")
+        elif r["kind"] == "store_latency":
+            print(f"| store T={r['tokens']} (graph) | {geo} | {r['format']} {r['backend']} | {r['us']:.2f} us | | | |")
         elif r["kind"] == "store":
             alt = f"dot-rotation {r['us_dot_rotation']:.1f} us" if "us_dot_rotation" in r else ""
-            print(f"| store | {geo} | {r['format']} | {r['us']:.1f} us | {r['pct_copy']:.1f}% | "
+            print(f"| store ({r['slots']}) | {geo} | {r['format']} {r['backend']} | {r['us']:.1f} us | {r['pct_copy']:.1f}% | "
                   f"{'ok' if r['ok'] else 'FAIL'} bad={r['bad']:.1e} sc={r['scale_mismatch']} | {alt} |")
         else:
             alt = f"sweep best {r['best_tiles']}: {r['best_ms']:.2f} ms" if "best_ms" in r else ""

@@ -58,6 +58,16 @@ def test_matched_two_kv_dtypes(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert "prefix_reuse=0" in r["engine"]["startup_lines"][-1]
     assert d["results"]["int8"]["ratio_vs_ref"]["prefill_tok_s"] == 1.0
     assert d["settings"]["prompt_tokens"] == 200 and d["settings"]["prefix_reuse"] is False
+    # interleaved rounds: A B, then B A
+    assert d["settings"]["order"] == ["0:int8", "0:rk4v4-e8", "1:rk4v4-e8", "1:int8"]
+    assert [x["round"] for x in d["results"]["int8"]["repeats"]] == [0, 1]
+
+
+def test_matched_schedule_balances_order() -> None:
+    assert matched.schedule(["a", "b"], 4) == [(0, "a"), (0, "b"), (1, "b"), (1, "a"),
+                                               (2, "a"), (2, "b"), (3, "b"), (3, "a")]
+    visits = matched.schedule(["a", "b", "c"], 2)
+    assert [kv for _, kv in visits] == ["a", "b", "c", "c", "b", "a"]
 
 
 def test_sweep_explicit_contexts(tiny_model_dir: Path, tmp_path: Path) -> None:

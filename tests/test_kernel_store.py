@@ -65,7 +65,7 @@ def _ties(gen, fmt, shape):
     return x.to(torch.float32)
 
 
-def _run_case(name, fmt_name, kind, t, hkv, d, dtype_name, seed, block_t=None):
+def _run_case(name, fmt_name, kind, t, hkv, d, dtype_name, seed, block_t=None, device="cpu", backend="auto"):
     import torch
 
     from ninfer.kernels.store_kv import store_kv
@@ -74,7 +74,7 @@ def _run_case(name, fmt_name, kind, t, hkv, d, dtype_name, seed, block_t=None):
     fmt = get_format(fmt_name)
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(seed)
-    page, num_pages = 64, 4
+    page, num_pages = 64, max(4, -(-2 * t // 64))
     shape = (t, hkv, d)
     if kind == "ties":
         k, v = _ties(gen, fmt, shape), _ties(gen, fmt, shape)
@@ -106,7 +106,10 @@ def _run_case(name, fmt_name, kind, t, hkv, d, dtype_name, seed, block_t=None):
                             generator=gen, dtype=torch.uint8)
         planes[pl.name] = raw.view(pl.dtype).clone()
         ref[pl.name] = raw.view(pl.dtype).clone()
-    store_kv(k, v, planes, slots, fmt_name, block_t=block_t)
+    dev = {n: p.to(device) for n, p in planes.items()}
+    fused = fused.to(device)
+    store_kv(fused[:, 1], fused[:, 2], dev, slots.to(device), fmt_name, block_t=block_t, backend=backend)
+    planes = {n: p.cpu() for n, p in dev.items()}
     keep = slots >= 0
     pg, off = slots[keep] // page, slots[keep] % page
     for which, x in (("k", k), ("v", v)):

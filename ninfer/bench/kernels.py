@@ -239,6 +239,18 @@ def bench_sdpa(backend_name: str, hq: int, hkv: int, d: int, ctx: int, batch: in
     return row
 
 
+def store_slots(tokens: int, num_pages: int, pattern: str, device="cuda"):
+    """Slots of a store: "pages" = whole pages in random order, offsets in sequence (what a
+    prefill chunk writes); "scattered" = every token at a random slot (no write lands next to
+    another: the partial-sector worst case)."""
+    import torch
+
+    if pattern == "scattered":
+        return torch.randperm(num_pages * PAGE, device=device)[:tokens].to(torch.int64)
+    pages = torch.randperm(num_pages, device=device)[: math.ceil(tokens / PAGE)]
+    return (pages[:, None] * PAGE + torch.arange(PAGE, device=device)).flatten()[:tokens].to(torch.int64)
+
+
 def bench_store(fmt_name: str, hkv: int, d: int, tokens: int, rep_ms: int, copy_bw: float) -> dict:
     import torch
 
@@ -254,10 +266,16 @@ def bench_store(fmt_name: str, hkv: int, d: int, tokens: int, rep_ms: int, copy_
         sets = 8
         ks = [torch.randn(tokens, hkv, d, dtype=torch.bfloat16, device="cuda") for _ in range(sets)]
         vs = [torch.randn(tokens, hkv, d, dtype=torch.bfloat16, device="cuda") for _ in range(sets)]
-        slots = [torch.randperm(num_pages * PAGE, device="cuda")[:tokens].to(torch.int64) for _ in range(sets)]
         bytes_ = 2 * tokens * hkv * d * 2 + tokens * hkv * fmt.bytes_per_token_head(d, torch.bfloat16) + tokens * 8
-        us = time_graph([lambda i=i: store_kv(ks[i], vs[i], planes, slots[i], fmt_name) for i in range(sets)], rep_ms)
-        row.update(us=us, bytes=bytes_, gbps=bytes_ / (us * 1e-6) / 1e9, pct_copy=100.0 * bytes_ / (us * 1e-6) / copy_bw)
+        for pattern in ("pages", "scattered"):
+            slots = [store_slots(tokens, num_pages, pattern) for _ in range(sets)]
+            us = time_graph([lambda i=i: store_kv(ks[i], vs[i], planes, slots[i], fmt_name) for i in range(sets)],
+                            rep_ms)
+            if pattern == "pages":
+                row.update(us=us, bytes=bytes_, gbps=bytes_ / (us * 1e-6) / 1e9,
+                           pct_copy=100.0 * bytes_ / (us * 1e-6) / copy_bw)
+            else:
+                row.update(us_scattered=us, pct_copy_scattered=100.0 * bytes_ / (us * 1e-6) / copy_bw)
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
     torch.cuda.empty_cache()
@@ -334,7 +352,8 @@ def table(rows: list[dict]) -> str:
             lines.append(f"{r['kind']} {r['format']}: {r['error'][:100]}")
         elif r["kind"] == "store":
             lines.append(f"store   {r['format']:<9} hkv={r['hkv']} d={r['d']} T={r['tokens']}: {r['us']:.1f} us "
-                         f"{r['pct_copy']:.1f}% copy")
+                         f"{r['pct_copy']:.1f}% copy (whole pages); scattered slots {r['us_scattered']:.1f} us "
+                         f"{r['pct_copy_scattered']:.1f}%")
         else:
             lines.append(f"prefill {r['format']:<9} {r['hq']}q{r['hkv']}kv-d{r['d']} ctx={r['context'] // 1024}k+"
                          f"{r['chunk']}: {r['us']:.1f} us x_int8={_fmt(r.get('x_int8'), '.2f')} "

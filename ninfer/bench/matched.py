@@ -1,11 +1,16 @@
 """Matched benchmark (DESIGN §7): same model, prompt and flags; only --kv-dtype differs.
 
-Per kv-dtype one engine (freed before the next): a warm-up request (its own prompt; compiles
-kernels and settles the allocator), then --repeats timed requests of random token ids whose head
-differs per repeat, greedy, EOS ignored, prefix reuse forced off. Each request runs alone through
-LLMEngine.step(): TTFT is add_request -> the step that samples the first token (the whole chunked
-prefill), prefill tok/s = prompt tokens / TTFT, decode tok/s = the remaining tokens over the
-remaining time. Medians over repeats; ratios against int8 (or the first kv-dtype listed).
+Repeats are interleaved: round r starts one engine per kv-dtype in turn (alone on the device,
+freed before the next), in the listed order on even rounds and reversed on odd ones (A B, B A,
+A B, ...), so a drift of the machine over the run (clocks settling as the card warms) weighs on
+every kv-dtype alike. Run back to back instead, the same two engines measured int8-first 1.036x
+and e8-first 1.081x decode on one H200 (docs/BENCHMARKS.md). An engine's first start warms up with
+a --warmup-tokens request (compiles kernels, settles the allocator); later starts run a short one
+(kernels are compiled once per process). Each timed request: random token ids whose head differs
+per round, greedy, EOS ignored, prefix reuse forced off, alone through LLMEngine.step(): TTFT is
+add_request -> the step that samples the first token (the whole chunked prefill), prefill tok/s =
+prompt tokens / TTFT, decode tok/s = the remaining tokens over the remaining time. Medians over
+repeats; ratios against int8 (or the first kv-dtype listed).
 
 The run fails (exit 1) when a repeat's TTFT collapses below --collapse-factor x the first
 repeat's, or the engine reports cached prompt tokens: either means a cache served the prefill.
@@ -25,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     b = p.add_argument_group("benchmark")
     b.add_argument("--prompt-tokens", type=parse_token_count, default=90000, help="prompt length (default %(default)s)")
     b.add_argument("--gen-tokens", type=int, default=300, help="tokens generated per request (default %(default)s)")
-    b.add_argument("--repeats", type=int, default=3, help="timed requests per kv-dtype (default %(default)s)")
+    b.add_argument("--repeats", type=int, default=3, help="rounds; one timed request per kv-dtype each (default %(default)s)")
     b.add_argument("--warmup-tokens", type=parse_token_count, default=None,
                    help="warm-up prompt length (default: --prompt-tokens, so long-context kernels are compiled "
                         "before the first timed repeat)")
@@ -36,30 +41,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fail when a repeat's TTFT < this x the first repeat's (0 = off; default %(default)s)")
 
 
-def measure_kv(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """Start one engine, warm it up, time the repeats; the engine is gone when this returns."""
+REVISIT_WARMUP = 256  # tokens of the warm-up after an engine's first start (graphs replayed, nothing compiled)
+
+
+def schedule(kvs: list[str], repeats: int) -> list[tuple[int, str]]:
+    """(round, kv-dtype) visits: the listed order on even rounds, reversed on odd ones."""
+    return [(r, kv) for r in range(repeats) for kv in (kvs if r % 2 == 0 else kvs[::-1])]
+
+
+def visit(cfg: Any, args: argparse.Namespace, r: int, first: bool) -> dict[str, Any]:
+    """Start one engine, warm it up, time round r's request; the engine is gone when this returns."""
     engine = T.start_engine(cfg)
     try:
         vocab = engine.model_config.vocab_size
-        facts = T.engine_facts(engine)
-        warm_n = min(args.warmup_tokens or args.prompt_tokens, engine.max_context - args.warmup_gen)
-        warm = T.timed_request(engine, f"{cfg.kv_dtype}-warmup",
-                               T.random_prompt(vocab, warm_n, body_seed=cfg.seed + 7919, head_seed=10_000),
+        out: dict[str, Any] = {"engine": T.engine_facts(engine)} if first else {}
+        warm_n = (args.warmup_tokens or args.prompt_tokens) if first else min(REVISIT_WARMUP, args.prompt_tokens)
+        warm_n = min(warm_n, engine.max_context - args.warmup_gen)
+        warm = T.timed_request(engine, f"{cfg.kv_dtype}-warmup{r}",
+                               T.random_prompt(vocab, warm_n, body_seed=cfg.seed + 7919, head_seed=10_000 + r),
                                args.warmup_gen)
-        print(f"  warm-up: {warm_n} tokens, TTFT {warm['ttft_s']:.2f} s", file=sys.stderr)
-        reps = []
-        for r in range(args.repeats):
-            prompt = T.random_prompt(vocab, args.prompt_tokens, body_seed=cfg.seed, head_seed=r,
-                                     head_tokens=args.head_tokens)
-            rep = T.timed_request(engine, f"{cfg.kv_dtype}-r{r}", prompt, args.gen_tokens)
-            reps.append(rep)
-            print(f"  repeat {r}: TTFT {rep['ttft_s']:.3f} s  prefill {T.fmt(rep['prefill_tok_s'])} tok/s  "
-                  f"decode {T.fmt(rep['decode_tok_s'], ',.1f')} tok/s  cached={rep['cached_tokens']}", file=sys.stderr)
+        if first:
+            out["warmup"] = warm
+            print(f"  warm-up: {warm_n} tokens, TTFT {warm['ttft_s']:.2f} s", file=sys.stderr)
+        prompt = T.random_prompt(vocab, args.prompt_tokens, body_seed=cfg.seed, head_seed=r,
+                                 head_tokens=args.head_tokens)
+        rep = T.timed_request(engine, f"{cfg.kv_dtype}-r{r}", prompt, args.gen_tokens)
+        out["repeat"] = {**rep, "round": r}
+        print(f"  repeat {r}: TTFT {rep['ttft_s']:.3f} s  prefill {T.fmt(rep['prefill_tok_s'])} tok/s  "
+              f"decode {T.fmt(rep['decode_tok_s'], ',.1f')} tok/s  cached={rep['cached_tokens']}", file=sys.stderr)
     finally:
         del engine
         T.release()
-    return {"engine": facts, "warmup": warm, "repeats": reps,
-            "median": {k: T.median([x[k] for x in reps]) for k in ("ttft_s", "prefill_tok_s", "decode_tok_s")}}
+    return out
+
+
+def summarize(result: dict[str, Any]) -> None:
+    reps = result["repeats"]
+    result["median"] = {k: T.median([x[k] for x in reps]) for k in ("ttft_s", "prefill_tok_s", "decode_tok_s")}
 
 
 def check(result: dict[str, Any], factor: float) -> list[str]:
@@ -110,19 +128,27 @@ def run(args: argparse.Namespace) -> int:
     max_context = args.max_context or args.prompt_tokens + args.gen_tokens
     results: dict[str, dict[str, Any]] = {}
     errors: list[str] = []
-    for kv in kvs:
+    for r, kv in schedule(kvs, args.repeats):
+        if "error" in results.get(kv, {}):
+            continue
         T.release()  # a failed kv-dtype's engine dies with its traceback; free it before planning the next
         cfg = T.base_config(args, kv_dtype=kv, enable_prefix_caching=False, max_context=max_context)
-        print(f"[matched] {kv}: prompt {args.prompt_tokens} + {args.gen_tokens} generated, "
-              f"{args.repeats} repeats", file=sys.stderr)
+        first = kv not in results
+        print(f"[matched] round {r}: {kv}: prompt {args.prompt_tokens} + {args.gen_tokens} generated", file=sys.stderr)
         try:
-            results[kv] = measure_kv(cfg, args)
+            got = visit(cfg, args, r, first)
         except Exception as e:  # one kv-dtype failing (refused context, kernel error) must not hide the others
             results[kv] = {"error": f"{type(e).__name__}: {e}"}
             errors.append(f"{kv}: {type(e).__name__}: {e}")
             continue
-        errors += [f"{kv}: {m}" for m in check(results[kv], args.collapse_factor)]
-        if not results[kv]["engine"]["cuda_graphs"] and not args.enforce_eager and "cuda" in results[kv]["engine"]["device"]:
+        res = results.setdefault(kv, {"engine": got.get("engine"), "warmup": got.get("warmup"), "repeats": []})
+        res["repeats"].append(got["repeat"])
+    for kv, res in results.items():
+        if "error" in res:
+            continue
+        summarize(res)
+        errors += [f"{kv}: {m}" for m in check(res, args.collapse_factor)]
+        if not res["engine"]["cuda_graphs"] and not args.enforce_eager and "cuda" in res["engine"]["device"]:
             print(f"  warning: {kv}: CUDA graphs were requested but the engine runs decode eagerly", file=sys.stderr)
     ref = add_ratios(results)
     print(table(results, ref))
@@ -135,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
                      "head_tokens": args.head_tokens, "collapse_factor": args.collapse_factor,
                      "max_context": max_context, "memory_limit_gib": args.memory_limit_gib,
                      "enforce_eager": args.enforce_eager, "prefix_reuse": False, "greedy": True, "ignore_eos": True,
-                     "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs},
+                     "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
+                     "order": [f"{r}:{kv}" for r, kv in schedule(kvs, args.repeats)],
+                     "revisit_warmup_tokens": REVISIT_WARMUP},
         "ratio_reference": ref, "results": results, "ok": not errors, "errors": errors})
     return 1 if errors else 0

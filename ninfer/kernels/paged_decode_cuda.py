@@ -3,9 +3,8 @@
 The Triton kernel in paged_decode.py is the portable path. On NVIDIA GPUs (sm_80+) the packed/int8 formats
 also have a CUDA C++ split kernel: mma.sync m16n8k16 with fragments built straight from the
 stored words (no shared-memory re-layout of a converted tile), per-warp cp.async pipelines and
-PTX bit tricks for the 4-bit -> fp16 conversion. It is compiled at first use with the nvcc found
-on the machine (cubin cached under ~/.cache/ninfer/cuda or $NINFER_CACHE_DIR) and launched
-through the CUDA driver API (ctypes), on torch's current stream (CUDA-graph capturable).
+PTX bit tricks for the 4-bit -> fp16 conversion. It is compiled at first use (cuda_build.py: nvcc,
+cached cubin, driver API launch on torch's current stream, so CUDA graphs capture it).
 Layout facts the fragments rely on (docs/KERNELS.md has the derivation):
 * score MMA  S^T = K . Q^T : K is the A operand (16 tokens x 16 dims), Q^T the B operand;
   thread (gi = lane/4, ti = lane%4) converts words 2ti, 2ti+1 of each group of tokens gi, gi+8;
@@ -19,24 +18,16 @@ Layout facts the fragments rely on (docs/KERNELS.md has the derivation):
 """
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
 
+from ninfer.kernels.cuda_build import CudaProgram, nvcc_path
+
 from ninfer.kernels._common import FMT_E8, FMT_INT8, FMT_RK4, LOG2E, SM_COUNT as _SM_COUNT, fmt_code
 from ninfer.kvcache.formats import GROUP, get_format
 
-# the kernel and its header, compiled side by side; _CUDA_SRC (both texts) keys the cubin cache
-_CUDA_FILES = {n: (Path(__file__).parent / "csrc" / n).read_text() for n in ("decode_ops.cuh", "paged_decode.cu")}
-_CUDA_SRC = "".join(_CUDA_FILES.values())
 
 _CUDA_FMT = {FMT_INT8: 1, FMT_RK4: 2, FMT_E8: 3}
 # (NW warps, CHUNK tokens per pipeline stage, NST stages, MINB) per format kind. MINB = blocks per SM
@@ -52,113 +43,27 @@ def _key(code: int, head_dim: int, q_dtype, cfg=None) -> tuple:
     return (_CUDA_FMT[code], head_dim, "bf16" if q_dtype == torch.bfloat16 else "fp16", nw, chunk, nst, minb)
 
 
-class _CudaDecode:
-    """nvcc -> cubin -> cuModuleLoadData -> cuLaunchKernel, one module per configuration."""
+class _CudaDecode(CudaProgram):
+    """The split kernel, one module per (format, head dim, q dtype, cfg) key."""
 
     def __init__(self) -> None:
-        self._drv = None
-        self._funcs: dict[tuple, tuple] = {}
-        self._lock = threading.Lock()
-        self.error: str | None = None
+        super().__init__("paged_decode.cu", ("decode_ops.cuh",), "nd_decode")
 
-    # -------------------------------------------------------------- driver
-    def _driver(self):
-        if self._drv is None:
-            drv = ctypes.CDLL("libcuda.so.1")
-            drv.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-            drv.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
-            drv.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
-            drv.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-            drv.cuFuncGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p]
-            drv.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [
-                ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
-            drv.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
-                ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-            self._drv = drv
-        return self._drv
-
-    def _check(self, rc: int, what: str) -> None:
-        if rc != 0:
-            msg = ctypes.c_char_p()
-            self._driver().cuGetErrorString(rc, ctypes.byref(msg))
-            raise RuntimeError(f"paged_decode CUDA path: {what} failed: {rc} {msg.value!r}")
-
-    # -------------------------------------------------------------- build
     @staticmethod
-    def _cache_dir() -> Path:
-        d = Path(os.environ.get("NINFER_CACHE_DIR", Path.home() / ".cache" / "ninfer")) / "cuda"
-        d.mkdir(parents=True, exist_ok=True)
-        return d
+    def defs(key: tuple) -> dict:
+        fmt_c, d, qt, nw, chunk, nst, minb = key
+        return {"ND_FMT": fmt_c, "ND_D": d, "ND_NW": nw, "ND_CHUNK": chunk, "ND_NST": nst, "ND_MINB": minb,
+                "ND_QT": "__nv_bfloat16" if qt == "bf16" else "__half"}
 
     def build(self, key: tuple, arch: str) -> Path:
-        fmt_c, d, qt, nw, chunk, nst, minb = key
-        defs = {"ND_FMT": fmt_c, "ND_D": d, "ND_NW": nw, "ND_CHUNK": chunk, "ND_NST": nst, "ND_MINB": minb,
-                "ND_QT": "__nv_bfloat16" if qt == "bf16" else "__half"}
-        tag = hashlib.sha1((_CUDA_SRC + repr(sorted(defs.items())) + arch).encode()).hexdigest()[:16]
-        out = self._cache_dir() / f"nd_decode_{tag}.cubin"
-        if out.exists():
-            return out
-        nvcc = _nvcc()
-        if nvcc is None:
-            raise RuntimeError("paged_decode CUDA path: nvcc not found")
-        with tempfile.TemporaryDirectory() as tmp:
-            for name, text in _CUDA_FILES.items():
-                (Path(tmp) / name).write_text(text)
-            cu = Path(tmp) / "paged_decode.cu"
-            tmp_out = Path(tmp) / "out.cubin"
-            cmd = [nvcc, "-cubin", f"-arch={arch}", "-O3", "-std=c++17", "-o", str(tmp_out), str(cu)]
-            cmd += [f"-D{k}={v}" for k, v in defs.items()]
-            res = subprocess.run(cmd, capture_output=True, text=True)
-            if res.returncode != 0:
-                raise RuntimeError(f"paged_decode CUDA path: nvcc failed:\n{res.stderr[-3000:]}")
-            shutil.move(str(tmp_out), out)
-        return out
+        return self.build_defs(self.defs(key), arch)
 
     def function(self, key: tuple, device: torch.device):
-        with self._lock:
-            fkey = (key, device.index)
-            if fkey in self._funcs:
-                return self._funcs[fkey]
-            major, minor = torch.cuda.get_device_capability(device)
-            path = self.build(key, f"sm_{major}{minor}")
-            torch.cuda.init()
-            with torch.cuda.device(device):
-                torch.cuda.current_stream(device).synchronize()  # makes torch's context current
-                drv = self._driver()
-                mod = ctypes.c_void_p()
-                self._check(drv.cuModuleLoadData(ctypes.byref(mod), path.read_bytes()), "cuModuleLoadData")
-                fn = ctypes.c_void_p()
-                self._check(drv.cuModuleGetFunction(ctypes.byref(fn), mod, b"nd_decode"), "cuModuleGetFunction")
-                smem = _cuda_smem_bytes(key)
-                self._check(drv.cuFuncSetAttribute(fn, 8, smem), "cuFuncSetAttribute(max dynamic smem)")
-                nw = key[3]
-                occ = ctypes.c_int()
-                self._check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(occ), fn, nw * 32, smem),
-                            "cuOccupancyMaxActiveBlocksPerMultiprocessor")
-                regs = ctypes.c_int()
-                drv.cuFuncGetAttribute(ctypes.byref(regs), 4, fn)  # CU_FUNC_ATTRIBUTE_NUM_REGS
-            entry = (mod, fn, smem, max(1, occ.value), regs.value)
-            self._funcs[fkey] = entry
-            return entry
-
-    def launch(self, fn, grid, block: int, smem: int, stream: int, args: list) -> None:
-        holders = []
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                holders.append(ctypes.c_void_p(a.data_ptr()))
-            elif isinstance(a, float):
-                holders.append(ctypes.c_float(a))
-            elif isinstance(a, tuple):  # ("i64", v)
-                holders.append(ctypes.c_int64(a[1]))
-            else:
-                holders.append(ctypes.c_int(a))
-        params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in holders])
-        rc = self._driver().cuLaunchKernel(fn, grid[0], grid[1], grid[2], block, 1, 1, smem,
-                                           ctypes.c_void_p(stream), params, None)
-        self._check(rc, "cuLaunchKernel")
+        return self.load(self.defs(key), device, _cuda_smem_bytes(key), key[3] * 32)
 
 
 _CUDA = _CudaDecode()
+_CUDA_SRC = _CUDA.source  # the kernel and its header (the emulation tests check their constants)
 
 
 def _cuda_smem_bytes(key: tuple) -> int:
@@ -193,12 +98,7 @@ def cuda_path_supported(q: torch.Tensor, kd: torch.Tensor, fmt_name: str) -> str
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _nvcc() -> str | None:
-    found = shutil.which("nvcc")
-    if found is None and os.path.exists("/usr/local/cuda/bin/nvcc"):
-        found = "/usr/local/cuda/bin/nvcc"
-    return found
+_nvcc = nvcc_path
 
 
 @functools.lru_cache(maxsize=None)

@@ -38,8 +38,8 @@ from ninfer.kvcache.formats import GROUP, get_format
 
 # Format switch (constexpr): one compiled variant per format; FMT_COPY = unquantized planes.
 FMT_COPY = FMT_PLAIN
-BLOCK_T = 16  # tokens per program (tl.dot needs M >= 16); all 64-groups of a row in one program
-BLOCK_T_COPY = 32
+BLOCK_T = 16  # tokens per program of the 4-bit formats (tl.dot needs M >= 16)
+BLOCK_T_WIDE = 32  # unquantized copy and int8 (H200, 16384 tokens: int8 56.6 -> 46.7 us vs 16 rows)
 STORE_FWHT = True  # rotation by butterfly (False: fp32 FMA tl.dot); module switch for the bench
 
 
@@ -205,10 +205,14 @@ def _check_plane(planes: dict, name: str, dtype: torch.dtype, hkv: int, extent: 
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch.Tensor, fmt_name: str,
-             *, block_t: int | None = None, num_warps: int | None = None) -> None:
+             *, block_t: int | None = None, num_warps: int | None = None, backend: str = "auto") -> None:
     """Encode k/v [T, Hkv, D] with format ``fmt_name`` and write them to ``planes`` (the pool's
     per-layer dict) at ``slot_mapping`` [T] (page * page_size + offset; -1 = skip). In place.
-    block_t / num_warps: tuning knobs for the benchmark (tokens per program, a power of 2 >= 2)."""
+    block_t / num_warps: tuning knobs of the Triton kernel (tokens per program, a power of 2 >= 2).
+    backend: "auto" (the CUDA C++ store for rk4v4 / rk4v4-e8 where it runs, else Triton), "triton"
+    or "cuda" (an error where it cannot run); both write the same bytes."""
+    if backend not in ("auto", "triton", "cuda"):
+        raise ValueError(f"store_kv: backend must be auto, triton or cuda, got {backend!r}")
     fmt = get_format(fmt_name)
     if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(f"store_kv: k {list(k.shape)} and v {list(v.shape)} must both be [T, Hkv, D]")
@@ -243,6 +247,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch
         kd, vd = kd.view(torch.int32), vd.view(torch.int32)  # 8 nibbles per little-endian word
     if t == 0:
         return
+    if backend != "triton" and block_t is None and num_warps is None and _try_cuda(
+            k, v, kd, ks, vd, vs, slot_mapping, code, fmt, page, backend):
+        return
     if code == FMT_COPY and k.dtype != kd.dtype:
         # torch's round-to-nearest cast (rare: model dtype differs from bf16 storage); the
         # interpreter's own fp32->bf16 conversion does not round to nearest even.
@@ -251,7 +258,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch
         k = k.contiguous()
     if v.stride(2) != 1:
         v = v.contiguous()
-    bt = block_t or (BLOCK_T_COPY if code == FMT_COPY else BLOCK_T)
+    bt = block_t or (BLOCK_T_WIDE if code in (FMT_COPY, FMT_INT8) else BLOCK_T)
     if bt < 2 or bt & (bt - 1):
         raise ValueError(f"store_kv: block_t must be a power of 2 >= 2, got {bt}")
     if num_warps is not None and (num_warps < 1 or num_warps > 32 or num_warps & (num_warps - 1)):
@@ -265,3 +272,23 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch
         FMT=code, D=d, BLOCK_D=triton.next_power_of_2(d), PAGE=page, BT=bt, FWHT=STORE_FWHT,
         num_warps=num_warps or (1 if bt <= 4 else 4),
         enable_fp_fusion=False)  # no FMA contraction: every rounding as in the reference
+
+
+def _try_cuda(k, v, kd, ks, vd, vs, slot_mapping, code, fmt, page, backend) -> bool:
+    """Run the CUDA C++ store if it can take this call; False sends the call to Triton."""
+    from ninfer.kernels import store_kv_cuda as sc
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    why = sc.cuda_store_supported(k, code, k.shape[2], float(fmt.scale_divisor or 0.0))
+    if why is not None:
+        if backend == "cuda":
+            raise ValueError(f"store_kv: CUDA store unavailable: {why}")
+        return False
+    try:
+        sc.store_kv_cuda(k, v, kd, ks, vd, vs, slot_mapping, code, float(fmt.scale_divisor), page)
+    except Exception as e:  # a broken nvcc or driver must not stop the engine: Triton writes the same bytes
+        if backend == "cuda":
+            raise
+        sc._STORE.error = f"{type(e).__name__}: {e}"
+        return False
+    return True

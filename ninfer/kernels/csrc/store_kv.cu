@@ -1,0 +1,100 @@
+// ninfer KV store, CUDA path for the 4-bit formats (rk4v4, rk4v4-e8): rotate, scale, quantize,
+// pack and scatter new K/V rows into the paged planes, bit-exact with the reference encoder.
+//
+// Eight lanes own one 64-group of one (token, head, K or V): lane w loads coordinates 8j + w
+// (j = 0..7), which are exactly the 8 nibbles of its output word, so nothing is re-laid out.
+// R = S.H64.S: the three butterfly stages over j run inside the lane, the three over w through
+// width-8 xor shuffles; absmax by three more shuffles. The scale, division and lattice search
+// are kv_encode.cuh's (shared with the host build the CPU tests run).
+//
+// Compile-time: KV_FMT (2 = rk4v4, 3 = rk4v4-e8), KV_XT (input element type), KV_ST (slot type).
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+#include "kv_encode.cuh"
+
+#ifndef KV_FMT
+#define KV_FMT 3
+#endif
+#ifndef KV_XT
+#define KV_XT __nv_bfloat16
+#endif
+#ifndef KV_ST
+#define KV_ST int64_t
+#endif
+
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+
+extern "C" __global__ void __launch_bounds__(128) kv_store(
+    const KV_XT* __restrict__ k, const KV_XT* __restrict__ v, int64_t skt, int64_t skh, int64_t svt,
+    int64_t svh, uint32_t* __restrict__ kd, __half* __restrict__ ks, uint32_t* __restrict__ vd,
+    __half* __restrict__ vs, const KV_ST* __restrict__ slots, int T, int hkv, int g_log2, int page_log2,
+    float inv_c) {
+  // grid (cdiv(T * 2 * groups * 8, 128), hkv): unit = (token * 2 + K/V) * groups + group
+  const int w = threadIdx.x & 7, h = blockIdx.y, groups = 1 << g_log2;
+  const int units = T * 2 * groups;
+  int unit = (blockIdx.x * blockDim.x + threadIdx.x) >> 3;
+  const bool live = unit < units;
+  if (!live) unit = units - 1;  // same work, no store: the 8-lane shuffles stay whole
+  const int g = unit & (groups - 1), which = (unit >> g_log2) & 1;
+  const int64_t t = unit >> (g_log2 + 1);
+  const KV_XT* x = (which ? v + t * svt + h * svh : k + t * skt + h * skh) + g * 64 + w;
+  // sign s_i of coordinate i = 8j + w: f(i) = b0 b1 ^ b2 b3 ^ b4 b5 = f(w) ^ (b2(w) & j0) ^ (j1 & j2);
+  // the lane part is one of two registers, the j part a compile-time sign
+  const float s_even = (((w & 1) & (w >> 1)) ? -1.f : 1.f);
+  const float s_odd = (w & 4) ? -s_even : s_even;
+
+  float a[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) a[j] = to_f32(x[8 * j]) * ((j & 1) ? s_odd : s_even) * ((j & 6) == 6 ? -1.f : 1.f);
+  // unnormalised H64: index bits 3..5 (j) in the lane, bits 0..2 (w) across lanes
+#pragma unroll
+  for (int s = 1; s < 8; s <<= 1) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (!(j & s)) {
+        float p = a[j], q = a[j | s];
+        a[j] = kv::fadd(p, q);
+        a[j | s] = kv::fadd(p, -q);
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 1; m < 8; m <<= 1) {
+    const float sg = (w & m) ? -1.f : 1.f;  // upper lane of the pair: partner - own
+#pragma unroll
+    for (int j = 0; j < 8; ++j) a[j] = kv::ffma(a[j], sg, __shfl_xor_sync(0xffffffffu, a[j], m, 8));
+  }
+  float amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(a[j]));
+#pragma unroll
+  for (int m = 1; m < 8; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m, 8));
+  amax = amax * 0.125f;  // the rotation's 1/8: exact
+  // s = fp16(absmax / C) (round to nearest even; C a power of 2, so x 1/C is the same division),
+  // 2^-24 for a nonzero group that underflows; saturates at 65504 where the reference raises
+  const __half s16r = __float2half_rn(fminf(amax * inv_c, 65504.f));
+  float s = __half2float(s16r);
+  const bool tiny = s == 0.f && amax > 0.f;
+  if (tiny) s = 5.960464477539063e-08f;
+  const float y = __frcp_rn(s > 0.f ? s : 1.f);
+  float z[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float r = kv::fmul(a[j], ((j & 1) ? s_odd : s_even) * ((j & 6) == 6 ? -0.125f : 0.125f));  // exact
+    z[j] = s > 0.f ? kv::div_by(r, s, y) : 0.f;
+  }
+#if KV_FMT == 3
+  const uint32_t word = kv::encode_e8_word(z);
+#else
+  const uint32_t word = kv::encode_scalar4_word(z);
+#endif
+  const int64_t slot = (int64_t)slots[t];
+  if (live && slot >= 0) {
+    const int64_t page = slot >> page_log2, off = slot & ((1 << page_log2) - 1);
+    const int64_t row = ((page * hkv + h) << page_log2) + off;
+    (which ? vd : kd)[row * (groups * 8) + g * 8 + w] = word;
+    if (w == 0) (which ? vs : ks)[row * groups + g] = tiny ? __ushort_as_half((unsigned short)1) : s16r;
+  }
+}

@@ -1,0 +1,57 @@
+"""CUDA C++ store for the 4-bit formats (rk4v4, rk4v4-e8): csrc/store_kv.cu, lane-per-word.
+
+Same contract and bytes as the Triton ``store_kv`` (which stays the portable path and the one
+the CPU tests run): the kernel's arithmetic is ``csrc/kv_encode.cuh``, which the CPU tests also
+build for the host and compare with the torch reference encoder bit for bit.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ninfer.kernels._common import FMT_E8, FMT_RK4
+from ninfer.kernels.cuda_build import CudaProgram, nvcc_path
+
+THREADS = 128
+_STORE = CudaProgram("store_kv.cu", ("kv_encode.cuh",), "kv_store")
+_XT = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
+_ST = {torch.int64: "int64_t", torch.int32: "int32_t"}
+
+
+def defs(code: int, x_dtype: torch.dtype, slot_dtype: torch.dtype) -> dict:
+    return {"KV_FMT": 3 if code == FMT_E8 else 2, "KV_XT": _XT[x_dtype], "KV_ST": _ST[slot_dtype]}
+
+
+def cuda_store_supported(k: torch.Tensor, code: int, head_dim: int, divisor: float) -> str | None:
+    """None if the CUDA store can take this call, else why not (the Triton store then runs)."""
+    if code not in (FMT_RK4, FMT_E8):
+        return "format has no CUDA store"
+    if k.device.type != "cuda":
+        return "not on CUDA"
+    if k.dtype not in _XT:
+        return f"input dtype {k.dtype}"
+    if head_dim % 64 or (head_dim // 64) & (head_dim // 64 - 1):
+        return f"head_dim {head_dim} (needs 64 x a power of 2)"
+    if divisor <= 0 or divisor != 2.0 ** round(math.log2(divisor)):
+        return f"scale divisor {divisor} is not a power of 2"
+    if k.shape[0] * 2 * (head_dim // 64) * 8 >= 2**31:
+        return "too many tokens for one launch"
+    if _STORE.error is not None:
+        return _STORE.error
+    if nvcc_path() is None:
+        return "nvcc not found"
+    return None
+
+
+def store_kv_cuda(k, v, kd, ks, vd, vs, slot_mapping, code: int, divisor: float, page: int) -> None:
+    """k/v [T, Hkv, D] (last dim contiguous) -> int32 word planes kd/vd [pages, Hkv, page, D/8] and
+    fp16 scale planes ks/vs [pages, Hkv, page, D/64]; checked by store_kv before it gets here."""
+    t, hkv, d = k.shape
+    groups = d // 64
+    _mod, fn, _smem, _occ, _regs = _STORE.load(defs(code, k.dtype, slot_mapping.dtype), k.device, 0, THREADS)
+    grid = ((t * 2 * groups * 8 + THREADS - 1) // THREADS, hkv, 1)
+    stream = torch.cuda.current_stream(k.device).cuda_stream
+    _STORE.launch(fn, grid, THREADS, 0, stream, [
+        k, v, ("i64", k.stride(0)), ("i64", k.stride(1)), ("i64", v.stride(0)), ("i64", v.stride(1)),
+        kd, ks, vd, vs, slot_mapping, t, hkv, groups.bit_length() - 1, page.bit_length() - 1, 1.0 / divisor])

@@ -1,0 +1,170 @@
+"""CUDA store (csrc/store_kv.cu + csrc/kv_encode.cuh) without a GPU, and with one.
+
+CPU: kv_encode.cuh -- the per-word rk4v4 / rk4v4-e8 encoders and the division the kernel runs --
+is built for the host with g++ (no FMA contraction, IEEE float32) and compared with the torch
+reference encoder (ninfer/kvcache/e8.py) bit for bit on code units from the real pipeline and
+on adversarial ones (exact ties, box edges, values past the box); the division against IEEE
+float32 division for every positive fp16 divisor. The kernel itself is compiled with nvcc for
+sm_90. GPU (skipped without one): the CUDA store against the reference on the store test cases.
+"""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = ROOT / "ninfer" / "kernels" / "csrc"
+sys.path.insert(0, str(ROOT))
+
+_HOST_SRC = r'''
+#include "kv_encode.cuh"
+extern "C" {
+void enc_words(const float* z, int n, int e8, uint32_t* out) {
+  for (int i = 0; i < n; ++i) {
+    float b[8];
+    for (int j = 0; j < 8; ++j) b[j] = z[8 * i + j];
+    out[i] = e8 ? kv::encode_e8_word(b) : kv::encode_scalar4_word(b);
+  }
+}
+void divide(const float* a, const float* b, int n, float* out) {
+  for (int i = 0; i < n; ++i) out[i] = kv::div_by(a[i], b[i], 1.0f / b[i]);
+}
+}
+'''
+
+
+@pytest.fixture(scope="module")
+def host_lib(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    d = tmp_path_factory.mktemp("kv_encode")
+    src, lib = d / "host.cpp", d / "libkvenc.so"
+    src.write_text(_HOST_SRC)
+    cmd = [cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC",
+           f"-I{CSRC}", "-o", str(lib), str(src)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    so = ctypes.CDLL(str(lib))
+    so.enc_words.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    so.divide.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    return so
+
+
+def _host_words(lib, z: torch.Tensor, e8: bool) -> torch.Tensor:
+    """Code units z [N, 64] -> int32 words [N, 8] from the host build (word w = coordinates 8j + w)."""
+    from ninfer.kvcache.e8 import to_blocks
+
+    blocks = np.ascontiguousarray(to_blocks(z.to(torch.float32)).reshape(-1, 8).numpy())
+    out = np.zeros(blocks.shape[0], dtype=np.uint32)
+    lib.enc_words(blocks.ctypes.data, blocks.shape[0], int(e8), out.ctypes.data)
+    return torch.from_numpy(out.view(np.int32)).reshape(z.shape[0], 8)
+
+
+def _code_units(seed: int, n: int) -> torch.Tensor:
+    """z from the reference pipeline (rotate, fp16 scale, divide) plus adversarial rows."""
+    from ninfer.kvcache.formats import code_units, group_scales
+    from ninfer.kvcache.hadamard import rotate
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 64, generator=g) * torch.exp(torch.randn(n, 1, generator=g).clamp(-3, 3) * 2)
+    x[: n // 8, 3] *= 40  # outlier channel
+    xr = rotate(x)
+    _, s = group_scales(xr, 8.0)
+    z = code_units(xr, s)
+    q = torch.randint(-36, 36, (n // 2, 64), generator=g).to(torch.float32) / 4  # ties, past the box
+    u = (torch.rand(n // 2, 64, generator=g) * 18 - 9).to(torch.float32)  # uniform over and past the box
+    e = torch.tensor([7.0, -8.0, 7.5, -8.5, 8.004, -8.004, 6.5, -7.5], dtype=torch.float32)
+    edges = e[torch.randint(0, 8, (n // 4, 64), generator=g)]
+    return torch.cat([z, q, u, edges, torch.zeros(1, 64), torch.full((1, 64), 0.25)])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("fmt", ["rk4v4", "rk4v4-e8"])
+def test_host_encoder_matches_reference(host_lib, seed, fmt):
+    from ninfer.kvcache.e8 import encode_e8, encode_scalar4
+
+    z = _code_units(seed, 4096)
+    ref = (encode_e8(z) if fmt == "rk4v4-e8" else encode_scalar4(z)).view(torch.int32)
+    got = _host_words(host_lib, z, fmt == "rk4v4-e8")
+    bad = (got != ref).any(dim=1)
+    assert not bad.any(), f"{int(bad.sum())} of {len(z)} groups differ, first: {z[bad][0].tolist()}"
+
+
+def test_host_encoder_detects_a_wrong_tie_rule(host_lib):
+    """The comparison above can fail: the reference with ties going to the half coset differs."""
+    from ninfer.kvcache import e8 as e8mod
+
+    z = _code_units(5, 1024)
+    n0, d0 = e8mod._nearest_even_in_box(e8mod.to_blocks(z))
+    n1, d1 = e8mod._nearest_even_in_box(e8mod.to_blocks(z) - 0.5)
+    assert bool((d1 == d0).any()), "the inputs must contain coset ties"
+    got = _host_words(host_lib, z, True)
+    ref = e8mod.encode_e8(z).view(torch.int32)
+    assert torch.equal(got, ref)
+    half = (d1 <= d0)  # the wrong rule
+    n = torch.where(half[..., None], n1, n0)
+    u = n + 8
+    u[..., 7] = (u[..., 7] & 0xE) | half.to(torch.int32)
+    wrong = e8mod.pack_nibbles(u).view(torch.int32)
+    assert not torch.equal(got, wrong)
+
+
+def test_host_division_is_ieee_for_every_fp16_scale(host_lib):
+    bits = torch.arange(1, 0x7C00, dtype=torch.int32).to(torch.int16)  # every positive finite fp16
+    b = bits.view(torch.float16).to(torch.float32)
+    g = torch.Generator().manual_seed(0)
+    reps = 48
+    bb = b.repeat_interleave(reps)
+    a = (torch.rand(bb.shape, generator=g, dtype=torch.float64) * 2 - 1) * 8.2 * bb.double()
+    a[::7] *= torch.exp2(torch.randint(-30, 4, a[::7].shape, generator=g).double())
+    a = a.to(torch.float32)
+    a[::11] = (torch.randint(-64, 65, a[::11].shape, generator=g).float() * bb[::11])  # exact quotients
+    a_np, b_np = a.numpy(), bb.numpy()
+    out = np.zeros_like(a_np)
+    host_lib.divide(a_np.ctypes.data, b_np.ctypes.data, a_np.size, out.ctypes.data)
+    ref = (a / bb).numpy()
+    bad = out.view(np.int32) != ref.view(np.int32)
+    assert not bad.any(), f"{int(bad.sum())} quotients differ, e.g. {a_np[bad][:3]} / {b_np[bad][:3]}"
+
+
+def test_cuda_store_compiles_for_sm90(tmp_path, monkeypatch):
+    """The store kernel builds with nvcc for Hopper in both formats, bf16 / fp16, int32 / int64 slots."""
+    from ninfer.kernels import store_kv_cuda as sc
+    from ninfer.kernels._common import FMT_E8, FMT_RK4
+
+    if sc.nvcc_path() is None:
+        pytest.skip("nvcc not installed")
+    monkeypatch.setenv("NINFER_CACHE_DIR", str(tmp_path))
+    for code in (FMT_RK4, FMT_E8):
+        for xt in (torch.bfloat16, torch.float16):
+            for st in (torch.int32, torch.int64):
+                cubin = sc._STORE.build_defs(sc.defs(code, xt, st), "sm_90")
+                assert cubin.stat().st_size > 1000
+
+
+GPU_CASES = [("rk4v4-e8", "random", 37, 2, 128, "bfloat16", 0), ("rk4v4", "random", 37, 2, 128, "bfloat16", 1),
+             ("rk4v4-e8", "adversarial", 21, 2, 128, "bfloat16", 7), ("rk4v4", "adversarial", 21, 2, 128, "bfloat16", 7),
+             ("rk4v4-e8", "random", 5, 1, 256, "float16", 11), ("rk4v4-e8", "random", 1, 8, 128, "bfloat16", 21),
+             ("rk4v4-e8", "random", 70, 2, 256, "bfloat16", 14), ("rk4v4-e8", "random", 3000, 8, 128, "bfloat16", 30),
+             ("rk4v4", "random", 3000, 4, 256, "bfloat16", 31)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", GPU_CASES, ids=[f"{c[0]}-{c[1]}-t{c[2]}-h{c[3]}-d{c[4]}-{c[5]}" for c in GPU_CASES])
+def test_cuda_store_bit_exact(case):
+    from ninfer.kernels import store_kv_cuda as sc
+    from tests.test_kernel_store import _run_case
+
+    if sc.nvcc_path() is None:
+        pytest.skip("nvcc not installed")
+    r = _run_case("gpu", *case, device="cuda", backend="cuda")
+    assert r["stored"] > 0
+    assert all(v == 0 for v in r["mismatched_bytes"].values()), f"planes differ from the reference: {r}"
