@@ -5,7 +5,8 @@ is built for the host with g++ (no FMA contraction, IEEE float32) and compared w
 reference encoder (ninfer/kvcache/e8.py) bit for bit on code units from the real pipeline and
 on adversarial ones (exact ties, box edges, values past the box); the division against IEEE
 float32 division for every positive fp16 divisor. The kernel itself is compiled with nvcc for
-sm_90. GPU (skipped without one): the CUDA store against the reference on the store test cases.
+sm_90. GPU (skipped without one): the CUDA store against the reference on the store test cases,
+both kernels (lane per word below ROWS_MIN_TOKENS = 64 tokens, thread per group from 64 on).
 """
 from __future__ import annotations
 
@@ -154,7 +155,8 @@ GPU_CASES = [("rk4v4-e8", "random", 37, 2, 128, "bfloat16", 0), ("rk4v4", "rando
              ("rk4v4-e8", "adversarial", 21, 2, 128, "bfloat16", 7), ("rk4v4", "adversarial", 21, 2, 128, "bfloat16", 7),
              ("rk4v4-e8", "random", 5, 1, 256, "float16", 11), ("rk4v4-e8", "random", 1, 8, 128, "bfloat16", 21),
              ("rk4v4-e8", "random", 70, 2, 256, "bfloat16", 14), ("rk4v4-e8", "random", 3000, 8, 128, "bfloat16", 30),
-             ("rk4v4", "random", 3000, 4, 256, "bfloat16", 31)]
+             ("rk4v4", "random", 3000, 4, 256, "bfloat16", 31), ("rk4v4-e8", "adversarial", 64, 2, 128, "bfloat16", 32),
+             ("rk4v4", "random", 65, 3, 128, "float16", 33), ("rk4v4-e8", "random", 100, 1, 64, "bfloat16", 34)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -48,7 +48,8 @@ def _driver():
 
 
 class CudaProgram:
-    """One .cu file (plus headers) with one ``extern "C"`` entry point, built per define set."""
+    """One .cu file (plus headers) with ``extern "C"`` entry points (the first is the default),
+    built per define set."""
 
     def __init__(self, main: str, headers: tuple[str, ...], entry: str) -> None:
         self.files = {n: (CSRC / n).read_text() for n in (*headers, main)}
@@ -90,10 +91,12 @@ class CudaProgram:
             shutil.move(str(tmp_out), out)
         return out
 
-    def load(self, defs: dict, device: torch.device, smem: int = 0, threads: int = 128) -> tuple:
-        """-> (module, function, smem, blocks per SM, registers), cached per (defs, device)."""
+    def load(self, defs: dict, device: torch.device, smem: int = 0, threads: int = 128,
+             entry: str | None = None) -> tuple:
+        """-> (module, function, smem, blocks per SM, registers), cached per (defs, entry, device)."""
+        entry = entry or self.entry
         with self._lock:
-            fkey = (tuple(sorted(defs.items())), smem, threads, device.index)
+            fkey = (tuple(sorted(defs.items())), entry, smem, threads, device.index)
             if fkey in self._funcs:
                 return self._funcs[fkey]
             major, minor = torch.cuda.get_device_capability(device)
@@ -105,7 +108,7 @@ class CudaProgram:
                 mod = ctypes.c_void_p()
                 self._check(drv.cuModuleLoadData(ctypes.byref(mod), path.read_bytes()), "cuModuleLoadData")
                 fn = ctypes.c_void_p()
-                self._check(drv.cuModuleGetFunction(ctypes.byref(fn), mod, self.entry.encode()), "cuModuleGetFunction")
+                self._check(drv.cuModuleGetFunction(ctypes.byref(fn), mod, entry.encode()), "cuModuleGetFunction")
                 if smem:
                     self._check(drv.cuFuncSetAttribute(fn, 8, smem), "cuFuncSetAttribute(max dynamic smem)")
                 occ = ctypes.c_int()

@@ -14,6 +14,9 @@ from ninfer.kernels._common import FMT_E8, FMT_RK4
 from ninfer.kernels.cuda_build import CudaProgram, nvcc_path
 
 THREADS = 128
+# From this many tokens on, one thread per 64-group (kv_store_rows: fewer instructions per
+# coordinate); below it, eight lanes per group (kv_store: a decode step's latency).
+ROWS_MIN_TOKENS = 64
 _STORE = CudaProgram("store_kv.cu", ("kv_encode.cuh",), "kv_store")
 _XT = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
 _ST = {torch.int64: "int64_t", torch.int32: "int32_t"}
@@ -49,8 +52,11 @@ def store_kv_cuda(k, v, kd, ks, vd, vs, slot_mapping, code: int, divisor: float,
     fp16 scale planes ks/vs [pages, Hkv, page, D/64]; checked by store_kv before it gets here."""
     t, hkv, d = k.shape
     groups = d // 64
-    _mod, fn, _smem, _occ, _regs = _STORE.load(defs(code, k.dtype, slot_mapping.dtype), k.device, 0, THREADS)
-    grid = ((t * 2 * groups * 8 + THREADS - 1) // THREADS, hkv, 1)
+    rows = t >= ROWS_MIN_TOKENS and all(x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0 and x.stride(1) % 8 == 0
+                                         for x in (k, v))
+    entry = "kv_store_rows" if rows else "kv_store"
+    _mod, fn, _smem, _occ, _regs = _STORE.load(defs(code, k.dtype, slot_mapping.dtype), k.device, 0, THREADS, entry)
+    grid = ((t * 2 * groups * (1 if rows else 8) + THREADS - 1) // THREADS, hkv, 1)
     stream = torch.cuda.current_stream(k.device).cuda_stream
     _STORE.launch(fn, grid, THREADS, 0, stream, [
         k, v, ("i64", k.stride(0)), ("i64", k.stride(1)), ("i64", v.stride(0)), ("i64", v.stride(1)),

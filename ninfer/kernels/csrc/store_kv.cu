@@ -7,6 +7,10 @@
 // width-8 xor shuffles; absmax by three more shuffles. The scale, division and lattice search
 // are kv_encode.cuh's (shared with the host build the CPU tests run).
 //
+// kv_store_rows, for long chunks: one thread owns a whole 64-group (16-byte loads, the butterfly
+// and every sign in registers at compile-time indices, the per-group work paid once per 64
+// coordinates instead of once per 8); kv_store (lane per word) keeps a decode step's latency low.
+//
 // Compile-time: KV_FMT (2 = rk4v4, 3 = rk4v4-e8), KV_XT (input element type), KV_ST (slot type).
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -22,9 +26,50 @@
 #ifndef KV_ST
 #define KV_ST int64_t
 #endif
+#ifndef KV_ROWS_MINB
+#define KV_ROWS_MINB 6  // blocks per SM kv_store_rows' registers must allow: 80 registers (H200: 100.8 us vs 107.9 uncapped)
+#endif
 
 __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+// two packed inputs (element 2e in the low half) -> floats, exact
+__device__ __forceinline__ void to_f32x2(uint32_t u, float& lo, float& hi, __nv_bfloat16*) {
+  lo = __uint_as_float(u << 16);
+  hi = __uint_as_float(u & 0xffff0000u);
+}
+__device__ __forceinline__ void to_f32x2(uint32_t u, float& lo, float& hi, __half*) {
+  lo = __half2float(__ushort_as_half((unsigned short)(u & 0xffffu)));
+  hi = __half2float(__ushort_as_half((unsigned short)(u >> 16)));
+}
+
+// The format's sign s_i = (-1)^f(i), f(i) = parity((i & (i >> 1)) & 0b010101), for a
+// compile-time i (folds into the adds and multiplies).
+__device__ __forceinline__ constexpr float sign_at(int i) {
+  return ((((i & (i >> 1)) & 0x15) ^ ((((i & (i >> 1)) & 0x15)) >> 2) ^ ((((i & (i >> 1)) & 0x15)) >> 4)) & 1) ? -1.f
+                                                                                                            : 1.f;
+}
+
+// absmax (of the rotated group, already x 1/8) -> the fp16 scale as stored, its float value s
+// (2^-24 for a nonzero group that underflows) and y = RN(1/s). C is a power of 2, so
+// absmax x 1/C is the reference's division exactly; saturates at 65504 where the reference raises.
+__device__ __forceinline__ __half group_scale(float amax, float inv_c, float& s, float& y) {
+  __half s16 = __float2half_rn(fminf(amax * inv_c, 65504.f));
+  s = __half2float(s16);
+  if (s == 0.f && amax > 0.f) {
+    s = 5.960464477539063e-08f;
+    s16 = __ushort_as_half((unsigned short)1);
+  }
+  y = __frcp_rn(s > 0.f ? s : 1.f);
+  return s16;
+}
+
+__device__ __forceinline__ uint32_t encode_word(const float (&z)[8]) {
+#if KV_FMT == 3
+  return kv::encode_e8_word(z);
+#else
+  return kv::encode_scalar4_word(z);
+#endif
+}
 
 extern "C" __global__ void __launch_bounds__(128) kv_store(
     const KV_XT* __restrict__ k, const KV_XT* __restrict__ v, int64_t skt, int64_t skh, int64_t svt,
@@ -71,30 +116,81 @@ extern "C" __global__ void __launch_bounds__(128) kv_store(
   for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(a[j]));
 #pragma unroll
   for (int m = 1; m < 8; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m, 8));
-  amax = amax * 0.125f;  // the rotation's 1/8: exact
-  // s = fp16(absmax / C) (round to nearest even; C a power of 2, so x 1/C is the same division),
-  // 2^-24 for a nonzero group that underflows; saturates at 65504 where the reference raises
-  const __half s16r = __float2half_rn(fminf(amax * inv_c, 65504.f));
-  float s = __half2float(s16r);
-  const bool tiny = s == 0.f && amax > 0.f;
-  if (tiny) s = 5.960464477539063e-08f;
-  const float y = __frcp_rn(s > 0.f ? s : 1.f);
+  float s, y;
+  const __half s16 = group_scale(amax * 0.125f, inv_c, s, y);  // the rotation's 1/8: exact
   float z[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const float r = kv::fmul(a[j], ((j & 1) ? s_odd : s_even) * ((j & 6) == 6 ? -0.125f : 0.125f));  // exact
     z[j] = s > 0.f ? kv::div_by(r, s, y) : 0.f;
   }
-#if KV_FMT == 3
-  const uint32_t word = kv::encode_e8_word(z);
-#else
-  const uint32_t word = kv::encode_scalar4_word(z);
-#endif
+  const uint32_t word = encode_word(z);
   const int64_t slot = (int64_t)slots[t];
   if (live && slot >= 0) {
     const int64_t page = slot >> page_log2, off = slot & ((1 << page_log2) - 1);
     const int64_t row = ((page * hkv + h) << page_log2) + off;
     (which ? vd : kd)[row * (groups * 8) + g * 8 + w] = word;
-    if (w == 0) (which ? vs : ks)[row * groups + g] = tiny ? __ushort_as_half((unsigned short)1) : s16r;
+    if (w == 0) (which ? vs : ks)[row * groups + g] = s16;
   }
+}
+
+extern "C" __global__ void __launch_bounds__(128, KV_ROWS_MINB) kv_store_rows(
+    const KV_XT* __restrict__ k, const KV_XT* __restrict__ v, int64_t skt, int64_t skh, int64_t svt,
+    int64_t svh, uint32_t* __restrict__ kd, __half* __restrict__ ks, uint32_t* __restrict__ vd,
+    __half* __restrict__ vs, const KV_ST* __restrict__ slots, int T, int hkv, int g_log2, int page_log2,
+    float inv_c) {
+  // grid (cdiv(T * 2 * groups, 128), hkv); the wrapper checked 16-byte alignment of every group
+  const int h = blockIdx.y, groups = 1 << g_log2;
+  const int unit = blockIdx.x * blockDim.x + threadIdx.x;
+  if (unit >= T * 2 * groups) return;
+  const int g = unit & (groups - 1), which = (unit >> g_log2) & 1;
+  const int64_t t = unit >> (g_log2 + 1);
+  const uint4* x = reinterpret_cast<const uint4*>((which ? v + t * svt + h * svh : k + t * skt + h * skh) + g * 64);
+  float a[64];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const uint4 u = __ldg(x + c);
+    const uint32_t p[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float lo, hi;
+      to_f32x2(p[e], lo, hi, (KV_XT*)nullptr);
+      a[8 * c + 2 * e] = lo * sign_at(8 * c + 2 * e);
+      a[8 * c + 2 * e + 1] = hi * sign_at(8 * c + 2 * e + 1);
+    }
+  }
+#pragma unroll
+  for (int st = 1; st < 64; st <<= 1) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      if (!(i & st)) {
+        const float p = a[i], q = a[i | st];
+        a[i] = kv::fadd(p, q);
+        a[i | st] = kv::fadd(p, -q);
+      }
+    }
+  }
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) amax = fmaxf(amax, fabsf(a[i]));
+  float s, y;
+  const __half s16 = group_scale(amax * 0.125f, inv_c, s, y);
+#pragma unroll
+  for (int i = 0; i < 64; ++i) a[i] = s > 0.f ? kv::div_by(kv::fmul(a[i], 0.125f * sign_at(i)), s, y) : 0.f;
+  uint32_t words[8];
+#pragma unroll
+  for (int w = 0; w < 8; ++w) {
+    float z[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) z[j] = a[8 * j + w];
+    words[w] = encode_word(z);
+  }
+  const int64_t slot = (int64_t)slots[t];
+  if (slot < 0) return;
+  const int64_t page = slot >> page_log2, off = slot & ((1 << page_log2) - 1);
+  const int64_t row = ((page * hkv + h) << page_log2) + off;
+  uint4* out = reinterpret_cast<uint4*>((which ? vd : kd) + row * (groups * 8) + g * 8);
+  out[0] = make_uint4(words[0], words[1], words[2], words[3]);
+  out[1] = make_uint4(words[4], words[5], words[6], words[7]);
+  (which ? vs : ks)[row * groups + g] = s16;
 }
