@@ -34,6 +34,28 @@ void enc_words(const float* z, int n, int e8, uint32_t* out) {
     out[i] = e8 ? kv::encode_e8_word(b) : kv::encode_scalar4_word(b);
   }
 }
+// the thread-per-group kernel's math (kv_store_rows), minus its loads, stores and fp16 conversion
+void rotate_groups(const float* x, int n, float* out) {
+  for (int i = 0; i < n; ++i) {
+    float a[64];
+    for (int c = 0; c < 64; ++c) a[c] = x[64 * i + c];
+    kv::rotate_group(a);
+    for (int c = 0; c < 64; ++c) out[64 * i + c] = a[c];
+  }
+}
+void encode_groups(const float* x, const float* s, int n, int e8, uint32_t* out) {
+  for (int i = 0; i < n; ++i) {
+    float a[64];
+    for (int c = 0; c < 64; ++c) a[c] = x[64 * i + c];
+    kv::rotate_group(a);
+    kv::code_units_group(a, s[i], s[i] > 0.f ? 1.0f / s[i] : 1.0f);
+    for (int w = 0; w < 8; ++w) {
+      float z[8];
+      for (int j = 0; j < 8; ++j) z[j] = a[8 * j + w];
+      out[8 * i + w] = e8 ? kv::encode_e8_word(z) : kv::encode_scalar4_word(z);
+    }
+  }
+}
 void divide(const float* a, const float* b, int n, float* out) {
   for (int i = 0; i < n; ++i) out[i] = kv::div_by(a[i], b[i], 1.0f / b[i]);
 }
@@ -56,6 +78,8 @@ def host_lib(tmp_path_factory):
     so = ctypes.CDLL(str(lib))
     so.enc_words.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     so.divide.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    so.rotate_groups.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    so.encode_groups.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     return so
 
 
@@ -116,6 +140,33 @@ def test_host_encoder_detects_a_wrong_tie_rule(host_lib):
     u[..., 7] = (u[..., 7] & 0xE) | half.to(torch.int32)
     wrong = e8mod.pack_nibbles(u).view(torch.int32)
     assert not torch.equal(got, wrong)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_host_group_pipeline_matches_reference(host_lib, seed):
+    """kv_store_rows' math (sign pattern, butterfly, x 1/8 with the output signs, division, lattice
+    search) on inputs whose rotation is exact: the butterfly of S.x equals 8 x H64.S.x and the words
+    equal the reference encoder's, for both 4-bit formats."""
+    from tests.triton_interp import exact_values
+    from ninfer.kvcache.formats import get_format, group_scales
+    from ninfer.kvcache.hadamard import rotate, sign_pattern
+
+    g = torch.Generator().manual_seed(seed)
+    x = exact_values(g, (2048, 64), torch.float32, -12, 12)
+    x[:8] = 0.0  # all-zero groups
+    x[8:16, 5] = 3.0  # one spike: every rotated value has the same magnitude (z = +-8, the box edges)
+    xs = np.ascontiguousarray(x.numpy())
+    rot = np.zeros_like(xs)
+    host_lib.rotate_groups(xs.ctypes.data, len(xs), rot.ctypes.data)
+    assert torch.equal(torch.from_numpy(rot) * (0.125 * sign_pattern()), rotate(x))  # R = S.H64.S
+    _, sc = group_scales(rotate(x), 8.0)
+    s = np.ascontiguousarray(sc.reshape(-1).numpy())
+    for name in ("rk4v4", "rk4v4-e8"):
+        out = np.zeros(len(xs) * 8, dtype=np.uint32)
+        host_lib.encode_groups(xs.ctypes.data, s.ctypes.data, len(xs), int(name == "rk4v4-e8"), out.ctypes.data)
+        ref = get_format(name).encode(x)[0].view(torch.int32).reshape(-1)
+        got = torch.from_numpy(out.view(np.int32))
+        assert torch.equal(got, ref), f"{name}: {int((got != ref).sum())} words differ"
 
 
 def test_host_division_is_ieee_for_every_fp16_scale(host_lib):

@@ -49,6 +49,38 @@ KV_HD float div_by(float a, float b, float y) {
   return ffma(r, y, q);
 }
 
+// The format's sign s_i = (-1)^f(i), f(i) = parity((i & (i >> 1)) & 0b010101); a compile-time i
+// folds it into the adds and multiplies.
+KV_HD constexpr float sign_at(int i) {
+  return ((((i & (i >> 1)) & 0x15) ^ (((i & (i >> 1)) & 0x15) >> 2) ^ (((i & (i >> 1)) & 0x15) >> 4)) & 1) ? -1.f
+                                                                                                      : 1.f;
+}
+
+// One 64-group in one thread: a (the input) -> the unnormalised H64 of S.a, in place. Equal to 8
+// times the reference's rotate() whenever the 64-term sums are exact (any summation order).
+KV_HD void rotate_group(float (&a)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) a[i] = a[i] * sign_at(i);
+#pragma unroll
+  for (int st = 1; st < 64; st <<= 1) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      if (!(i & st)) {
+        const float p = a[i], q = a[i | st];
+        a[i] = fadd(p, q);
+        a[i | st] = fadd(p, -q);
+      }
+    }
+  }
+}
+
+// rotate_group's output -> code units z = r / s in place (r = a x s_i / 8, exact; 0 where s == 0),
+// y = RN(1 / s).
+KV_HD void code_units_group(float (&a)[64], float s, float y) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) a[i] = s > 0.f ? div_by(fmul(a[i], 0.125f * sign_at(i)), s, y) : 0.f;
+}
+
 // rk4v4: nibble j = clamp(rint(z_j), -8, 7) + 8.
 KV_HD uint32_t encode_scalar4_word(const float (&z)[8]) {
   uint32_t word = 0;

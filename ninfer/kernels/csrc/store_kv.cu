@@ -42,13 +42,6 @@ __device__ __forceinline__ void to_f32x2(uint32_t u, float& lo, float& hi, __hal
   hi = __half2float(__ushort_as_half((unsigned short)(u >> 16)));
 }
 
-// The format's sign s_i = (-1)^f(i), f(i) = parity((i & (i >> 1)) & 0b010101), for a
-// compile-time i (folds into the adds and multiplies).
-__device__ __forceinline__ constexpr float sign_at(int i) {
-  return ((((i & (i >> 1)) & 0x15) ^ ((((i & (i >> 1)) & 0x15)) >> 2) ^ ((((i & (i >> 1)) & 0x15)) >> 4)) & 1) ? -1.f
-                                                                                                            : 1.f;
-}
-
 // absmax (of the rotated group, already x 1/8) -> the fp16 scale as stored, its float value s
 // (2^-24 for a nonzero group that underflows) and y = RN(1/s). C is a power of 2, so
 // absmax x 1/C is the reference's division exactly; saturates at 65504 where the reference raises.
@@ -152,31 +145,15 @@ extern "C" __global__ void __launch_bounds__(128, KV_ROWS_MINB) kv_store_rows(
     const uint4 u = __ldg(x + c);
     const uint32_t p[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float lo, hi;
-      to_f32x2(p[e], lo, hi, (KV_XT*)nullptr);
-      a[8 * c + 2 * e] = lo * sign_at(8 * c + 2 * e);
-      a[8 * c + 2 * e + 1] = hi * sign_at(8 * c + 2 * e + 1);
-    }
+    for (int e = 0; e < 4; ++e) to_f32x2(p[e], a[8 * c + 2 * e], a[8 * c + 2 * e + 1], (KV_XT*)nullptr);
   }
-#pragma unroll
-  for (int st = 1; st < 64; st <<= 1) {
-#pragma unroll
-    for (int i = 0; i < 64; ++i) {
-      if (!(i & st)) {
-        const float p = a[i], q = a[i | st];
-        a[i] = kv::fadd(p, q);
-        a[i | st] = kv::fadd(p, -q);
-      }
-    }
-  }
+  kv::rotate_group(a);
   float amax = 0.f;
 #pragma unroll
   for (int i = 0; i < 64; ++i) amax = fmaxf(amax, fabsf(a[i]));
   float s, y;
   const __half s16 = group_scale(amax * 0.125f, inv_c, s, y);
-#pragma unroll
-  for (int i = 0; i < 64; ++i) a[i] = s > 0.f ? kv::div_by(kv::fmul(a[i], 0.125f * sign_at(i)), s, y) : 0.f;
+  kv::code_units_group(a, s, y);
   uint32_t words[8];
 #pragma unroll
   for (int w = 0; w < 8; ++w) {
