@@ -5,6 +5,7 @@
 // intrinsics on the device, -ffp-contract=off on the host), rint = round half to even.
 #pragma once
 #include <stdint.h>
+#include <string.h>
 #include <math.h>
 
 #ifdef __CUDACC__
@@ -34,6 +35,31 @@ KV_HD float ffma(float a, float b, float c) {
   return __fmaf_rn(a, b, c);
 #else
   return fmaf(a, b, c);
+#endif
+}
+
+// rint (round half to even) and the offset-binary nibble f + 8 of an integer f in [-8, 7].
+// KV_RINT_ADD = 1 computes both with float adds, exact for |x| < 2^22: FRND and F2I run on the
+// H200's conversion pipe (16 per SM per clock), adds on the full-rate FMA pipe. Measured default:
+// 0 (the variant is verified bit-exact on the CPU; scripts/store_variants.py times it).
+#ifndef KV_RINT_ADD
+#define KV_RINT_ADD 0
+#endif
+KV_HD float round_even(float x) {
+#if KV_RINT_ADD
+  return fadd(fadd(x, 12582912.f), -12582912.f);
+#else
+  return rintf(x);
+#endif
+}
+KV_HD uint32_t nibble_of(float f) {
+#if KV_RINT_ADD
+  const float b = fadd(f, 12582920.f);  // 1.5 * 2^23 + 8: the low mantissa bits are f + 8
+  uint32_t u;
+  memcpy(&u, &b, 4);
+  return u & 15u;
+#else
+  return (uint32_t)((int)f + 8);
 #endif
 }
 
@@ -86,8 +112,8 @@ KV_HD uint32_t encode_scalar4_word(const float (&z)[8]) {
   uint32_t word = 0;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    float f = fminf(fmaxf(rintf(z[j]), -8.f), 7.f);
-    word |= (uint32_t)((int)f + 8) << (4 * j);
+    const float f = fminf(fmaxf(round_even(z[j]), -8.f), 7.f);
+    word |= nibble_of(f) << (4 * j);
   }
   return word;
 }
@@ -105,7 +131,7 @@ KV_HD uint32_t nearest_even_in_box(const float (&y)[8], float* d) {
   uint32_t word = 0;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    const float f = fminf(fmaxf(rintf(y[j]), -8.f), 7.f);
+    const float f = fminf(fmaxf(round_even(y[j]), -8.f), 7.f);
     const float r = fadd(y[j], -f);
     const float key = fminf(fabsf(r), fminf(fadd(7.f, -y[j]), fadd(y[j], 8.f)));
     sq[j] = fmul(r, r);
@@ -115,7 +141,7 @@ KV_HD uint32_t nearest_even_in_box(const float (&y)[8], float* d) {
       br = r;
       bf = f;
     }
-    word |= (uint32_t)((int)f + 8) << (4 * j);
+    word |= nibble_of(f) << (4 * j);
   }
 #ifdef __CUDA_ARCH__
   const bool odd = __popc(word & 0x11111111u) & 1;
