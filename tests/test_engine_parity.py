@@ -150,6 +150,7 @@ def test_startup_lines_geometry_and_capacity(tiny_model_dir: Path) -> None:
     assert ("kv planes: kv_dtype=rk4v4-e8 packed_k=1 packed_v=1 e8_lattice=1 e8_root=0 extent=64->32 "
             "dtype=uint8 scales=fp16x1") in lines
     assert "KV capacity explicit resolved=4096 tokens pages=64 bytes/token=136 " in lines
+    assert "\nkernels: reference\n" in lines  # what computes attention (CUDA: decode=/store=/prefill=)
     planes = llm.engine.pool.layers[0]
     assert planes["k"].dtype == torch.uint8 and planes["k"].shape[-1] == 32  # really packed
 

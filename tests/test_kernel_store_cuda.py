@@ -204,6 +204,43 @@ def test_cuda_store_compiles_for_sm90(tmp_path, monkeypatch):
         assert sc._STORE.build_defs({**sc.defs(code, torch.bfloat16, torch.int64), "KV_RINT_ADD": 1}, "sm_90").exists()
 
 
+def test_cuda_path_reasons():
+    """The startup log's reasons a geometry falls back to Triton (checked before the device)."""
+    from ninfer.kernels.paged_decode_cuda import cuda_decode_unsupported
+    from ninfer.kernels.store_kv_cuda import cuda_store_unsupported
+
+    cpu, bf = torch.device("cpu"), torch.bfloat16
+    assert cuda_decode_unsupported("bf16", cpu, bf, 128, 32, 8, 64) == "format bf16 has no CUDA path"
+    assert cuda_decode_unsupported("rk4v4-e8", cpu, bf, 96, 32, 8, 64).startswith("head_dim 96")
+    assert cuda_decode_unsupported("rk4v4-e8", cpu, bf, 128, 32, 2, 64) == "GQA group 16 > 8"
+    assert cuda_decode_unsupported("int8", cpu, torch.float32, 128, 32, 8, 64) == "q dtype torch.float32"
+    assert cuda_decode_unsupported("rk4v4-e8", cpu, bf, 128, 32, 8, 64) == "not on CUDA"
+    assert cuda_store_unsupported("int8", cpu, bf, 128) == "format int8 has no CUDA store"
+    assert cuda_store_unsupported("rk4v4", cpu, torch.float32, 128) == "input dtype torch.float32"
+    assert cuda_store_unsupported("rk4v4-e8", cpu, bf, 192).startswith("head_dim 192")
+    assert cuda_store_unsupported("rk4v4-e8", cpu, bf, 256) == "not on CUDA"
+
+
+def test_triton_backend_reports_its_kernel_paths(monkeypatch):
+    """The startup line on a CUDA machine, computed without one (capability and nvcc stubbed)."""
+    from types import SimpleNamespace
+
+    from ninfer.attention.triton_backend import TritonAttentionBackend
+    from ninfer.kernels import paged_decode_cuda as pdc
+    from ninfer.kernels import store_kv_cuda as sc
+    from ninfer.kvcache.formats import get_format
+
+    monkeypatch.setattr(pdc, "_capability", lambda device: (9, 0))
+    dev = torch.device("cuda")
+    for nvcc, fmt, want in (("/usr/bin/nvcc", "rk4v4-e8", "decode=cuda store=cuda prefill=triton"),
+                            ("/usr/bin/nvcc", "int8", "decode=cuda store=triton (format int8 has no CUDA store)"),
+                            (None, "rk4v4-e8", "decode=triton (nvcc not found) store=triton (nvcc not found)")):
+        monkeypatch.setattr(pdc, "_nvcc", lambda nvcc=nvcc: nvcc)
+        monkeypatch.setattr(sc, "nvcc_path", lambda nvcc=nvcc: nvcc)
+        pool = SimpleNamespace(fmt=get_format(fmt), device=dev, head_dim=128, num_kv_heads=8, page_size=64)
+        assert TritonAttentionBackend(pool).kernel_paths(32, torch.bfloat16).startswith(want)
+
+
 GPU_CASES = [("rk4v4-e8", "random", 37, 2, 128, "bfloat16", 0), ("rk4v4", "random", 37, 2, 128, "bfloat16", 1),
              ("rk4v4-e8", "adversarial", 21, 2, 128, "bfloat16", 7), ("rk4v4", "adversarial", 21, 2, 128, "bfloat16", 7),
              ("rk4v4-e8", "random", 5, 1, 256, "float16", 11), ("rk4v4-e8", "random", 1, 8, 128, "bfloat16", 21),

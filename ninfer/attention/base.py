@@ -41,3 +41,7 @@ class BaseAttentionBackend(ABC):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (after RoPE and q/k norm) -> out [T, Hq, D] in q's dtype."""
+
+    def kernel_paths(self, num_heads: int, dtype: torch.dtype) -> str:
+        """What computes attention, for the startup log ("decode=cuda store=cuda", ...)."""
+        return self.name

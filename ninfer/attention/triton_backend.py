@@ -37,6 +37,19 @@ class TritonAttentionBackend(BaseAttentionBackend):
             self._decode = paged_decode
         return self._decode
 
+    def kernel_paths(self, num_heads: int, dtype: torch.dtype) -> str:
+        """Which kernels serve decode and store, and why one falls back to Triton (e.g. no nvcc:
+        the Triton decode kernel is several times slower on the 4-bit formats)."""
+        from ninfer.kernels.paged_decode_cuda import cuda_decode_unsupported
+        from ninfer.kernels.store_kv_cuda import cuda_store_unsupported
+
+        p = self.pool
+        why_d = cuda_decode_unsupported(self.fmt.name, p.device, dtype, p.head_dim, num_heads, p.num_kv_heads,
+                                        p.page_size)
+        why_s = cuda_store_unsupported(self.fmt.name, p.device, dtype, p.head_dim)
+        return " ".join(f"{what}=" + ("cuda" if why is None else f"triton ({why})")
+                        for what, why in (("decode", why_d), ("store", why_s))) + " prefill=triton"
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         t, hq, d = q.shape

@@ -133,6 +133,7 @@ class LLMEngine:
         self.plan = self.plan.with_observed(graph_bytes=graph_bytes, free_after_startup=free_after)
         self.startup_lines: list[str] = [self.model.describe(), *self.pool.geometry_lines(),
                                          self.plan.capacity_line(),
+                                         "kernels: " + self.backend.kernel_paths(self.model_config.num_heads, self.dtype),
                                          f"engine: device={self.device} backend={self.backend.name} "
                                          f"max_context={self.max_context} max_num_seqs={config.max_num_seqs} "
                                          f"max_num_batched_tokens={config.max_num_batched_tokens} "

@@ -37,6 +37,7 @@ format registry's reference decode (``ninfer.kvcache.formats``) and attends in f
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 from typing import Sequence
@@ -48,6 +49,8 @@ import triton.language as tl
 from ninfer.kernels.decode_reduce import decode_reduce
 from ninfer.kernels.hadamard import rot_entry
 from ninfer.kvcache.formats import GROUP, get_format
+
+log = logging.getLogger(__name__)
 
 from ninfer.kernels._common import FMT_E8, FMT_INT8, FMT_PLAIN, FMT_RK4, LOG2E, SM_COUNT as _SM_COUNT, fmt_code  # noqa: F401
 from ninfer.kernels.paged_decode_cuda import (_CUDA, _CUDA_FMT, _CUDA_SRC, CUDA_DEFAULT_CFG,  # noqa: F401
@@ -391,6 +394,7 @@ def paged_decode(q: torch.Tensor, k_planes, v_planes, block_tables: torch.Tensor
             if backend == "cuda":
                 raise
             _CUDA.error = f"{type(e).__name__}: {e}"
+            log.warning("paged_decode: CUDA kernel failed (%s); the Triton kernel takes over", _CUDA.error)
             use_cuda = False
     if not use_cuda:
         splits = int(num_splits) if num_splits is not None else default_num_splits(bsz, hkv, max_pages, q.device)

@@ -74,28 +74,32 @@ def _cuda_smem_bytes(key: tuple) -> int:
     return max(nw * nst * stage, nw * 8 * d * 4)
 
 
-def cuda_path_supported(q: torch.Tensor, kd: torch.Tensor, fmt_name: str) -> str | None:
-    """None if the CUDA path can run this call, else the reason it cannot."""
+def cuda_decode_unsupported(fmt_name: str, device: torch.device, q_dtype: torch.dtype, head_dim: int,
+                            num_heads: int, num_kv_heads: int, page_size: int) -> str | None:
+    """None if the CUDA decode kernel can serve this geometry, else the reason it cannot."""
     fmt = get_format(fmt_name)
-    code = fmt_code(fmt)
-    if code not in _CUDA_FMT:
+    if fmt_code(fmt) not in _CUDA_FMT:
         return f"format {fmt.name} has no CUDA path"
-    if q.device.type != "cuda":
-        return "not on CUDA"
-    if _capability(q.device) < (8, 0):
-        return "needs sm_80+"
-    bsz, hq, d = q.shape
-    if d not in (128, 256):
-        return f"head_dim {d} (CUDA path: 128 or 256)"
-    if hq // kd.shape[1] > 8:
-        return f"GQA group {hq // kd.shape[1]} > 8"
-    if kd.shape[2] != 64:
+    if head_dim not in (128, 256):
+        return f"head_dim {head_dim} (CUDA path: 128 or 256)"
+    if num_heads // num_kv_heads > 8:
+        return f"GQA group {num_heads // num_kv_heads} > 8"
+    if page_size != 64:
         return "page size != 64"
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"q dtype {q.dtype}"
+    if q_dtype not in (torch.bfloat16, torch.float16):
+        return f"q dtype {q_dtype}"
+    if device.type != "cuda":
+        return "not on CUDA"
+    if _capability(device) < (8, 0):
+        return "needs sm_80+"
     if _nvcc() is None:
         return "nvcc not found"
     return None
+
+
+def cuda_path_supported(q: torch.Tensor, kd: torch.Tensor, fmt_name: str) -> str | None:
+    """None if the CUDA path can run this call, else the reason it cannot."""
+    return cuda_decode_unsupported(fmt_name, q.device, q.dtype, q.shape[2], q.shape[1], kd.shape[1], kd.shape[2])
 
 
 _nvcc = nvcc_path

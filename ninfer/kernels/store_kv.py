@@ -28,6 +28,8 @@ Bit-exactness with the torch reference (``ninfer/kvcache/formats.py`` + ``e8.py`
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
@@ -41,6 +43,7 @@ FMT_COPY = FMT_PLAIN
 BLOCK_T = 16  # tokens per program of the 4-bit formats (tl.dot needs M >= 16)
 BLOCK_T_WIDE = 32  # unquantized copy and int8 (H200, 16384 tokens: int8 56.6 -> 46.7 us vs 16 rows)
 STORE_FWHT = True  # rotation by butterfly (False: fp32 FMA tl.dot); module switch for the bench
+log = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -279,7 +282,7 @@ def _try_cuda(k, v, kd, ks, vd, vs, slot_mapping, code, fmt, page, backend) -> b
     from ninfer.kernels import store_kv_cuda as sc
     if k.stride(2) != 1 or v.stride(2) != 1:
         k, v = k.contiguous(), v.contiguous()
-    why = sc.cuda_store_supported(k, code, k.shape[2], float(fmt.scale_divisor or 0.0))
+    why = sc.cuda_store_supported(k, fmt.name)
     if why is not None:
         if backend == "cuda":
             raise ValueError(f"store_kv: CUDA store unavailable: {why}")
@@ -290,5 +293,6 @@ def _try_cuda(k, v, kd, ks, vd, vs, slot_mapping, code, fmt, page, backend) -> b
         if backend == "cuda":
             raise
         sc._STORE.error = f"{type(e).__name__}: {e}"
+        log.warning("store_kv: CUDA store failed (%s); the Triton store takes over", sc._STORE.error)
         return False
     return True

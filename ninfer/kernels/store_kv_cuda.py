@@ -10,8 +10,9 @@ import math
 
 import torch
 
-from ninfer.kernels._common import FMT_E8, FMT_RK4
+from ninfer.kernels._common import FMT_E8, FMT_RK4, fmt_code
 from ninfer.kernels.cuda_build import CudaProgram, nvcc_path
+from ninfer.kvcache.formats import get_format
 
 THREADS = 128
 # From this many tokens on, one thread per 64-group (kv_store_rows: fewer instructions per
@@ -26,25 +27,31 @@ def defs(code: int, x_dtype: torch.dtype, slot_dtype: torch.dtype) -> dict:
     return {"KV_FMT": 3 if code == FMT_E8 else 2, "KV_XT": _XT[x_dtype], "KV_ST": _ST[slot_dtype]}
 
 
-def cuda_store_supported(k: torch.Tensor, code: int, head_dim: int, divisor: float) -> str | None:
-    """None if the CUDA store can take this call, else why not (the Triton store then runs)."""
-    if code not in (FMT_RK4, FMT_E8):
-        return "format has no CUDA store"
-    if k.device.type != "cuda":
-        return "not on CUDA"
-    if k.dtype not in _XT:
-        return f"input dtype {k.dtype}"
+def cuda_store_unsupported(fmt_name: str, device: torch.device, x_dtype: torch.dtype, head_dim: int) -> str | None:
+    """None if the CUDA store can serve this format and geometry, else the reason it cannot."""
+    fmt = get_format(fmt_name)
+    if fmt_code(fmt) not in (FMT_RK4, FMT_E8):
+        return f"format {fmt.name} has no CUDA store"
+    if x_dtype not in _XT:
+        return f"input dtype {x_dtype}"
     if head_dim % 64 or (head_dim // 64) & (head_dim // 64 - 1):
         return f"head_dim {head_dim} (needs 64 x a power of 2)"
+    divisor = float(fmt.scale_divisor or 0.0)
     if divisor <= 0 or divisor != 2.0 ** round(math.log2(divisor)):
         return f"scale divisor {divisor} is not a power of 2"
-    if k.shape[0] * 2 * (head_dim // 64) * 8 >= 2**31:
-        return "too many tokens for one launch"
-    if _STORE.error is not None:
-        return _STORE.error
+    if device.type != "cuda":
+        return "not on CUDA"
     if nvcc_path() is None:
         return "nvcc not found"
     return None
+
+
+def cuda_store_supported(k: torch.Tensor, fmt_name: str) -> str | None:
+    """None if the CUDA store can take this call, else why not (the Triton store then runs)."""
+    why = cuda_store_unsupported(fmt_name, k.device, k.dtype, k.shape[2])
+    if why is None and k.shape[0] * 2 * (k.shape[2] // 64) * 8 >= 2**31:
+        why = "too many tokens for one launch"
+    return why or _STORE.error
 
 
 def store_kv_cuda(k, v, kd, ks, vd, vs, slot_mapping, code: int, divisor: float, page: int) -> None:
