@@ -204,21 +204,25 @@ def test_cuda_store_compiles_for_sm90(tmp_path, monkeypatch):
         assert sc._STORE.build_defs({**sc.defs(code, torch.bfloat16, torch.int64), "KV_RINT_ADD": 1}, "sm_90").exists()
 
 
-def test_cuda_path_reasons():
-    """The startup log's reasons a geometry falls back to Triton (checked before the device)."""
+def test_cuda_path_reasons(monkeypatch):
+    """The startup log's reasons a geometry falls back to Triton (a CUDA device stubbed: sm_90)."""
+    from ninfer.kernels import paged_decode_cuda as pdc
     from ninfer.kernels.paged_decode_cuda import cuda_decode_unsupported
     from ninfer.kernels.store_kv_cuda import cuda_store_unsupported
 
-    cpu, bf = torch.device("cpu"), torch.bfloat16
-    assert cuda_decode_unsupported("bf16", cpu, bf, 128, 32, 8, 64) == "format bf16 has no CUDA path"
-    assert cuda_decode_unsupported("rk4v4-e8", cpu, bf, 96, 32, 8, 64).startswith("head_dim 96")
-    assert cuda_decode_unsupported("rk4v4-e8", cpu, bf, 128, 32, 2, 64) == "GQA group 16 > 8"
-    assert cuda_decode_unsupported("int8", cpu, torch.float32, 128, 32, 8, 64) == "q dtype torch.float32"
+    monkeypatch.setattr(pdc, "_capability", lambda device: (9, 0))
+    cpu, gpu, bf = torch.device("cpu"), torch.device("cuda"), torch.bfloat16
+    assert cuda_decode_unsupported("bf16", gpu, bf, 128, 32, 8, 64) == "format bf16 has no CUDA path"
     assert cuda_decode_unsupported("rk4v4-e8", cpu, bf, 128, 32, 8, 64) == "not on CUDA"
-    assert cuda_store_unsupported("int8", cpu, bf, 128) == "format int8 has no CUDA store"
-    assert cuda_store_unsupported("rk4v4", cpu, torch.float32, 128) == "input dtype torch.float32"
-    assert cuda_store_unsupported("rk4v4-e8", cpu, bf, 192).startswith("head_dim 192")
+    assert cuda_decode_unsupported("rk4v4-e8", gpu, bf, 96, 32, 8, 64).startswith("head_dim 96")
+    assert cuda_decode_unsupported("rk4v4-e8", gpu, bf, 128, 32, 2, 64) == "GQA group 16 > 8"
+    assert cuda_decode_unsupported("int8", gpu, torch.float32, 128, 32, 8, 64) == "q dtype torch.float32"
+    monkeypatch.setattr(pdc, "_capability", lambda device: (7, 5))
+    assert cuda_decode_unsupported("int8", gpu, bf, 128, 32, 8, 64) == "needs sm_80+"
+    assert cuda_store_unsupported("int8", gpu, bf, 128) == "format int8 has no CUDA store"
     assert cuda_store_unsupported("rk4v4-e8", cpu, bf, 256) == "not on CUDA"
+    assert cuda_store_unsupported("rk4v4", gpu, torch.float32, 128) == "input dtype torch.float32"
+    assert cuda_store_unsupported("rk4v4-e8", gpu, bf, 192).startswith("head_dim 192")
 
 
 def test_triton_backend_reports_its_kernel_paths(monkeypatch):

@@ -80,6 +80,10 @@ def cuda_decode_unsupported(fmt_name: str, device: torch.device, q_dtype: torch.
     fmt = get_format(fmt_name)
     if fmt_code(fmt) not in _CUDA_FMT:
         return f"format {fmt.name} has no CUDA path"
+    if device.type != "cuda":
+        return "not on CUDA"
+    if _capability(device) < (8, 0):
+        return "needs sm_80+"
     if head_dim not in (128, 256):
         return f"head_dim {head_dim} (CUDA path: 128 or 256)"
     if num_heads // num_kv_heads > 8:
@@ -88,10 +92,6 @@ def cuda_decode_unsupported(fmt_name: str, device: torch.device, q_dtype: torch.
         return "page size != 64"
     if q_dtype not in (torch.bfloat16, torch.float16):
         return f"q dtype {q_dtype}"
-    if device.type != "cuda":
-        return "not on CUDA"
-    if _capability(device) < (8, 0):
-        return "needs sm_80+"
     if _nvcc() is None:
         return "nvcc not found"
     return None

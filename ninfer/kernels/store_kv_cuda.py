@@ -32,6 +32,8 @@ def cuda_store_unsupported(fmt_name: str, device: torch.device, x_dtype: torch.d
     fmt = get_format(fmt_name)
     if fmt_code(fmt) not in (FMT_RK4, FMT_E8):
         return f"format {fmt.name} has no CUDA store"
+    if device.type != "cuda":
+        return "not on CUDA"
     if x_dtype not in _XT:
         return f"input dtype {x_dtype}"
     if head_dim % 64 or (head_dim // 64) & (head_dim // 64 - 1):
@@ -39,8 +41,6 @@ def cuda_store_unsupported(fmt_name: str, device: torch.device, x_dtype: torch.d
     divisor = float(fmt.scale_divisor or 0.0)
     if divisor <= 0 or divisor != 2.0 ** round(math.log2(divisor)):
         return f"scale divisor {divisor} is not a power of 2"
-    if device.type != "cuda":
-        return "not on CUDA"
     if nvcc_path() is None:
         return "nvcc not found"
     return None
