@@ -163,6 +163,10 @@ def test_store_kv_rejects_bad_inputs():
         store_kv(k, k, planes, slots, "rk4v4-e8", block_t=24)  # not a power of 2
     with pytest.raises(ValueError):
         store_kv(k, k, planes, slots, "rk4v4-e8", num_warps=3)
+    with pytest.raises(ValueError, match="backend"):
+        store_kv(k, k, planes, slots, "rk4v4-e8", backend="cudnn")
+    with pytest.raises(ValueError, match="CUDA store unavailable: not on CUDA"):
+        store_kv(k, k, planes, slots, "rk4v4-e8", backend="cuda")
     assert all(int(p.view(torch.uint8).count_nonzero()) == 0 for p in planes.values())  # nothing written
 
 
