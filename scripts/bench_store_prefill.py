@@ -64,8 +64,7 @@ def store_inputs(fmt_name, hkv, d, tokens, gen, pattern="pages"):
     k = torch.randn(tokens, hkv, d, device=dev, generator=gen).to(torch.bfloat16)
     v = torch.randn(tokens, hkv, d, device=dev, generator=gen).to(torch.bfloat16) * 3
     from ninfer.bench.kernels import store_slots
-    torch.manual_seed(int(torch.randint(0, 2**31, (1,), device=dev, generator=gen)))
-    slots = store_slots(tokens, pages, pattern, dev)
+    slots = store_slots(tokens, pages, pattern, dev, gen)
 
     def new_planes():
         return {pl.name: torch.zeros(pages, hkv, PAGE, pl.extent, dtype=pl.dtype, device=dev)

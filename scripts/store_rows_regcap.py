@@ -27,15 +27,14 @@ for name, code in (("rk4v4-e8", FMT_E8), ("rk4v4", FMT_RK4)):
     store_kv(k, v, ref, slots, name, backend="triton")
     refb = torch.cat([p.view(torch.uint8).flatten() for p in ref.values()])
     for minb, ra in [(m, r) for r in rint_adds for m in (1, 4, 6, 8)]:
-        d = {**sc.defs(code, k.dtype, slots.dtype), "KV_ROWS_MINB": minb, **({"KV_RINT_ADD": 1} if ra else {})}
-        _m, fn, _s, occ, regs = sc._STORE.load(d, k.device, 0, 128, "kv_store_rows")
+        variant = {"KV_ROWS_MINB": minb, **({"KV_RINT_ADD": 1} if ra else {})}
+        _m, _fn, _s, occ, regs = sc._STORE.load({**sc.defs(code, k.dtype, slots.dtype), **variant}, k.device, 0,
+                                                sc.THREADS, "kv_store_rows")
         pl = newp()
 
         def run():
-            kd, vd = pl["k"].view(torch.int32), pl["v"].view(torch.int32)
-            sc._STORE.launch(fn, ((16384 * 2 * 2 + 127) // 128, 8, 1), 128, 0, torch.cuda.current_stream().cuda_stream,
-                [k, v, ("i64", k.stride(0)), ("i64", k.stride(1)), ("i64", v.stride(0)), ("i64", v.stride(1)),
-                 kd, pl["k_scale"], vd, pl["v_scale"], slots, 16384, 8, 1, 6, 0.125])
+            sc.store_kv_cuda(k, v, pl["k"].view(torch.int32), pl["k_scale"], pl["v"].view(torch.int32),
+                             pl["v_scale"], slots, code, float(fmt.scale_divisor), b.PAGE, variant)
         run()
         torch.cuda.synchronize()
         got = torch.cat([p.view(torch.uint8).flatten() for p in pl.values()])

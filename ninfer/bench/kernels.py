@@ -239,15 +239,15 @@ def bench_sdpa(backend_name: str, hq: int, hkv: int, d: int, ctx: int, batch: in
     return row
 
 
-def store_slots(tokens: int, num_pages: int, pattern: str, device="cuda"):
+def store_slots(tokens: int, num_pages: int, pattern: str, device="cuda", generator=None):
     """Slots of a store: "pages" = whole pages in random order, offsets in sequence (what a
     prefill chunk writes); "scattered" = every token at a random slot (no write lands next to
     another: the partial-sector worst case)."""
     import torch
 
     if pattern == "scattered":
-        return torch.randperm(num_pages * PAGE, device=device)[:tokens].to(torch.int64)
-    pages = torch.randperm(num_pages, device=device)[: math.ceil(tokens / PAGE)]
+        return torch.randperm(num_pages * PAGE, device=device, generator=generator)[:tokens].to(torch.int64)
+    pages = torch.randperm(num_pages, device=device, generator=generator)[: math.ceil(tokens / PAGE)]
     return (pages[:, None] * PAGE + torch.arange(PAGE, device=device)).flatten()[:tokens].to(torch.int64)
 
 

@@ -280,13 +280,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch
 def _try_cuda(k, v, kd, ks, vd, vs, slot_mapping, code, fmt, page, backend) -> bool:
     """Run the CUDA C++ store if it can take this call; False sends the call to Triton."""
     from ninfer.kernels import store_kv_cuda as sc
-    if k.stride(2) != 1 or v.stride(2) != 1:
-        k, v = k.contiguous(), v.contiguous()
     why = sc.cuda_store_supported(k, fmt.name)
     if why is not None:
         if backend == "cuda":
             raise ValueError(f"store_kv: CUDA store unavailable: {why}")
         return False
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        k, v = k.contiguous(), v.contiguous()
     try:
         sc.store_kv_cuda(k, v, kd, ks, vd, vs, slot_mapping, code, float(fmt.scale_divisor), page)
     except Exception as e:  # a broken nvcc or driver must not stop the engine: Triton writes the same bytes

@@ -1,4 +1,5 @@
-"""CUDA C++ store for the 4-bit formats (rk4v4, rk4v4-e8): csrc/store_kv.cu, lane-per-word.
+"""CUDA C++ store for the 4-bit formats (rk4v4, rk4v4-e8): csrc/store_kv.cu, a thread per 64-group
+for chunks of ROWS_MIN_TOKENS or more, eight lanes per group (one word each) below.
 
 Same contract and bytes as the Triton ``store_kv`` (which stays the portable path and the one
 the CPU tests run): the kernel's arithmetic is ``csrc/kv_encode.cuh``, which the CPU tests also
@@ -54,15 +55,18 @@ def cuda_store_supported(k: torch.Tensor, fmt_name: str) -> str | None:
     return why or _STORE.error
 
 
-def store_kv_cuda(k, v, kd, ks, vd, vs, slot_mapping, code: int, divisor: float, page: int) -> None:
+def store_kv_cuda(k, v, kd, ks, vd, vs, slot_mapping, code: int, divisor: float, page: int,
+                  variant: dict | None = None) -> None:
     """k/v [T, Hkv, D] (last dim contiguous) -> int32 word planes kd/vd [pages, Hkv, page, D/8] and
-    fp16 scale planes ks/vs [pages, Hkv, page, D/64]; checked by store_kv before it gets here."""
+    fp16 scale planes ks/vs [pages, Hkv, page, D/64]; checked by store_kv before it gets here.
+    variant: extra -D defines (the benchmark's register cap / KV_RINT_ADD variants)."""
     t, hkv, d = k.shape
     groups = d // 64
     rows = t >= ROWS_MIN_TOKENS and all(x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0 and x.stride(1) % 8 == 0
                                          for x in (k, v))
     entry = "kv_store_rows" if rows else "kv_store"
-    _mod, fn, _smem, _occ, _regs = _STORE.load(defs(code, k.dtype, slot_mapping.dtype), k.device, 0, THREADS, entry)
+    _mod, fn, _smem, _occ, _regs = _STORE.load({**defs(code, k.dtype, slot_mapping.dtype), **(variant or {})},
+                                                k.device, 0, THREADS, entry)
     grid = ((t * 2 * groups * (1 if rows else 8) + THREADS - 1) // THREADS, hkv, 1)
     stream = torch.cuda.current_stream(k.device).cuda_stream
     _STORE.launch(fn, grid, THREADS, 0, stream, [

@@ -23,8 +23,13 @@ from ninfer.models.rope import apply_rotary
 def _kernel(module: str, name: str):
     """A fused-op kernel imported on its first call: Triton is an optional install where they never
     run (a CPU-only machine), so importing the model must not need it."""
+    fn = None
+
     def call(*args, **kwargs):
-        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+        nonlocal fn
+        if fn is None:
+            fn = getattr(importlib.import_module(module), name)
+        return fn(*args, **kwargs)
     call.__name__ = name
     return call
 
