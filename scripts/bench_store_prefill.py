@@ -16,7 +16,8 @@ Prefill: one sequence, 128K cached tokens + a 1024-token chunk, geometries 24q/4
 32q/8kv/D128, every format; random pages (codes/scales). Checked on the last 32 query tokens
 against ``paged_prefill_ref`` (kv_round=fp16 for the scaled formats; rel. Frobenius error, ok when
 <= 1e-2). Then a small tiling sweep (block_m, block_n, num_warps) per quantized case while time is
-left, the best reported next to the default. Timing: median of ``triton.testing.do_bench``.
+left, the best reported next to the default. Timing: median of ``triton.testing.do_bench``; stores
+as CUDA-graph replays over distinct inputs (``graph_store_us``).
 Every case runs in try/except: an error is a row with ``error``, never fatal.
 """
 from __future__ import annotations
@@ -72,6 +73,20 @@ def store_inputs(fmt_name, hkv, d, tokens, gen, pattern="pages"):
     return fmt, k, v, slots, new_planes
 
 
+def graph_store_us(k, v, slots, planes, store, gen, sets=4):
+    """Microseconds per store: `sets` stores of distinct random K/V (the first is k, v) and
+    distinct slot orders, captured in one CUDA graph and replayed (``time_graph``). A 10-100 us
+    kernel timed by eager calls measures the host's launch path as well; inputs are never reused
+    from L2."""
+    import torch
+
+    from ninfer.bench.kernels import time_graph
+    ks = [k] + [torch.randn(k.shape, device=k.device, generator=gen).to(k.dtype) for _ in range(sets - 1)]
+    vs = [v] + [torch.randn(v.shape, device=v.device, generator=gen).to(v.dtype) * 3 for _ in range(sets - 1)]
+    ss = [slots] + [slots[torch.randperm(slots.numel(), device=slots.device, generator=gen)] for _ in range(sets - 1)]
+    return time_graph([lambda i=i: store(ks[i], vs[i], planes, ss[i]) for i in range(sets)], 60)
+
+
 def store_case(fmt_name, hkv, d, tokens, bw, gen, compare_dot=True, backend="auto", pattern="pages"):
     import torch
 
@@ -96,13 +111,15 @@ def store_case(fmt_name, hkv, d, tokens, bw, gen, compare_dot=True, backend="aut
     row.update(bad=bad / nbytes, scale_mismatch=sbad, ok=bad / nbytes <= 1e-3 and sbad <= 2)
     moved = 2 * k.numel() * 2 + slots.numel() * 8 + sum(
         p.element_size() * tokens * hkv * p.shape[3] for p in planes.values())
-    us = bench(lambda: sk.store_kv(k, v, planes, slots, fmt_name, backend=backend))
+    us = graph_store_us(k, v, slots, planes, lambda kk, vv, pl, ss: sk.store_kv(kk, vv, pl, ss, fmt_name, backend=backend),
+                        gen)
     row.update(us=us, pct_copy=100 * moved / (us * 1e-6) / bw)
     if fmt.rotated and compare_dot and backend == "triton":
         old = sk.STORE_FWHT
         try:
             sk.STORE_FWHT = False
-            row["us_dot_rotation"] = bench(lambda: sk.store_kv(k, v, planes, slots, fmt_name, backend=backend))
+            row["us_dot_rotation"] = graph_store_us(
+                k, v, slots, planes, lambda kk, vv, pl, ss: sk.store_kv(kk, vv, pl, ss, fmt_name, backend=backend), gen)
         finally:
             sk.STORE_FWHT = old
     return row

@@ -7,7 +7,7 @@
 #                                                     # while the GPU tests run; best one -> $OUT/probe
 #   bash scripts/gpu_session.sh needle kernels        # needle grid, store/prefill bench
 #   bash scripts/gpu_session.sh store                 # CUDA store: GPU bit-exact tests, its variants
-#                                                     # (register cap x KV_RINT_ADD), both backends
+#                                                     # (register caps), both backends
 # `probe` trains the PROBE_VARIANTS (";"-separated train.py argument sets, one process each,
 # sharing the GPU) in the background; the next stage that needs the model, or the end of the
 # script, waits for them and ships the best by `ninfer.probe.pick`. Stages read the model from
@@ -73,7 +73,7 @@ for s in "$@"; do
       stage kernels 150 python3 scripts/bench_store_prefill.py --out "$RES/store_prefill.json" ;;
     store)
       stage store-tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_store_cuda.py
-      stage store-variants 120 python3 scripts/store_rows_regcap.py --rint-add 0,1
+      stage store-variants 120 python3 scripts/store_rows_regcap.py
       stage store-bench 150 python3 scripts/bench_store_prefill.py --store-only --out "$RES/store_cuda.json" ;;
     *) echo "unknown stage $s" ;;
   esac

@@ -304,8 +304,10 @@ if __name__ == "__main__" and "--child" in sys.argv:
 def test_cuda_path_matches_oracle_with_growing_scores(fmt_name):
     """On a GPU: the CUDA split kernel vs the float64 oracle where every later token scores higher
     (scores rise by tens of log2-units over the sequence), so the lazy rescale (running max moved only
-    when a chunk exceeds it by > 8) fires many times per split, P reaches 2^8, and a wrong rescale
-    weights whole chunks wrongly. Also random scores, GQA 1 / 4 / 8, D 128 / 256, odd lengths."""
+    when a chunk exceeds it by > 8) fires many times per warp, P reaches 2^8, and a wrong rescale
+    weights whole chunks wrongly. Each case also runs with one split: at the default split count a
+    warp of these short sequences sees one or two chunks, too few for a second rescale. Also random
+    scores, GQA 1 / 4 / 8, D 128 / 256, odd lengths."""
     import torch
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -314,7 +316,7 @@ def test_cuda_path_matches_oracle_with_growing_scores(fmt_name):
 
     fmt = get_format(fmt_name)
     dev = torch.device("cuda")
-    for seed, (hq, hkv, d, lens) in enumerate([(8, 1, 128, [3001]), (16, 4, 256, [777, 64, 1]),
+    for seed, (hq, hkv, d, lens) in enumerate([(8, 1, 128, [3001]), (16, 4, 256, [777, 0, 64, 1]),
                                                (32, 4, 128, [5000, 129])]):
         gen = torch.Generator().manual_seed(seed)
         page = 64
@@ -344,10 +346,11 @@ def test_cuda_path_matches_oracle_with_growing_scores(fmt_name):
         why = cuda_path_supported(qd, planes["k"], fmt_name)
         if why is not None:
             pytest.skip(f"CUDA path unavailable: {why}")
-        out = paged_decode(qd, kp, vp, tb, sl, fmt_name, d ** -0.5, backend="cuda")
-        ref = paged_decode_ref(qd, kp, vp, tb, sl, fmt_name, d ** -0.5)
-        rel = float((out.double() - ref.double()).norm() / ref.double().norm())
-        assert torch.isfinite(out).all() and rel < 1e-2, f"{fmt_name} case {seed}: rel err {rel:.3e}"
+        ref = paged_decode_ref(qd, kp, vp, tb, sl, fmt_name, d ** -0.5).double()
+        for splits in (None, 1):
+            out = paged_decode(qd, kp, vp, tb, sl, fmt_name, d ** -0.5, backend="cuda", num_splits=splits)
+            rel = float((out.double() - ref).norm() / ref.norm())
+            assert torch.isfinite(out).all() and rel < 1e-2, f"{fmt_name} case {seed} splits {splits}: rel err {rel:.3e}"
 
 
 def test_cuda_kernel_compiles_for_sm90(tmp_path, monkeypatch):

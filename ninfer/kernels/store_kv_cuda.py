@@ -59,7 +59,7 @@ def store_kv_cuda(k, v, kd, ks, vd, vs, slot_mapping, code: int, divisor: float,
                   variant: dict | None = None) -> None:
     """k/v [T, Hkv, D] (last dim contiguous) -> int32 word planes kd/vd [pages, Hkv, page, D/8] and
     fp16 scale planes ks/vs [pages, Hkv, page, D/64]; checked by store_kv before it gets here.
-    variant: extra -D defines (the benchmark's register cap / KV_RINT_ADD variants)."""
+    variant: extra -D defines (the benchmark's register-cap variants)."""
     t, hkv, d = k.shape
     groups = d // 64
     rows = t >= ROWS_MIN_TOKENS and all(x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0 and x.stride(1) % 8 == 0

@@ -38,30 +38,11 @@ KV_HD float ffma(float a, float b, float c) {
 #endif
 }
 
-// rint (round half to even) and the offset-binary nibble f + 8 of an integer f in [-8, 7].
-// KV_RINT_ADD = 1 computes both with float adds, exact for |x| < 2^22: FRND and F2I run on the
-// H200's conversion pipe (16 per SM per clock), adds on the full-rate FMA pipe. Measured default:
-// 0 (the variant is verified bit-exact on the CPU; scripts/store_variants.py times it).
-#ifndef KV_RINT_ADD
-#define KV_RINT_ADD 0
-#endif
-KV_HD float round_even(float x) {
-#if KV_RINT_ADD
-  return fadd(fadd(x, 12582912.f), -12582912.f);
-#else
-  return rintf(x);
-#endif
-}
-KV_HD uint32_t nibble_of(float f) {
-#if KV_RINT_ADD
-  const float b = fadd(f, 12582920.f);  // 1.5 * 2^23 + 8: the low mantissa bits are f + 8
-  uint32_t u;
-  memcpy(&u, &b, 4);
-  return u & 15u;
-#else
-  return (uint32_t)((int)f + 8);
-#endif
-}
+// rint (round half to even) and the offset-binary nibble f + 8 of an integer f in [-8, 7]. Float-add
+// forms of both (1.5 * 2^23 tricks, off the conversion pipe) measured slower on the H200
+// (docs/KERNELS.md, "Store, CUDA").
+KV_HD float round_even(float x) { return rintf(x); }
+KV_HD uint32_t nibble_of(float f) { return (uint32_t)((int)f + 8); }
 
 // q = RN(a / b) for b > 0 given y = RN(1 / b): q0 = RN(a y), then two Markstein steps
 // (r = a - b q is exact by FMA; q + r y rounds correctly once q is within 1 ulp of a/b, which the
