@@ -48,23 +48,30 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
   const uint8_t* vs_h = reinterpret_cast<const uint8_t*>(vs) + kvh * s_hs;
   const int* bt_b = bt + b * bt_s;
 
+  // Loop-invariant parts of a stage's copies: piece p = lane + 32 i of the K/V rows (16 bytes each)
+  // goes to the swizzled smem offset dst_l[(i * 32 / NCH) & 1...] + i * 512, so each copy is a base
+  // register plus immediates; page offsets in 32-bit x 32-bit -> 64-bit (a page's stride is small).
+  static_assert((CHUNK * NCH) % 32 == 0, "whole warps of 16-byte pieces");
+  constexpr int PCS = CHUNK * NCH / 32;  // pieces per lane per plane
   auto issue = [&](int it) {
     if (it < my_n) {
-      int t0 = t_lo + (warp + it * NW) * CHUNK;
-      int64_t page = bt_b[t0 >> 6];
-      int off = t0 & 63;
+      const int t0 = t_lo + (warp + it * NW) * CHUNK;
+      const uint32_t page = (uint32_t)bt_b[t0 >> 6];
+      const int off = t0 & 63;
       uint8_t* st = wbase + (it % NST) * STAGE;
-      const uint8_t* gk = kd_h + page * d_ps + off * RB;
-      const uint8_t* gv = vd_h + page * d_ps + off * RB;
+      const size_t doff = (size_t)page * (uint32_t)d_ps + (uint32_t)(off * RB + lane * 16);
+      const uint8_t* gk = kd_h + doff;
+      const uint8_t* gv = vd_h + doff;
 #pragma unroll
-      for (int p = lane; p < CHUNK * NCH; p += 32) {
-        int tok = p / NCH, ch = p % NCH;
-        int dst = tok * RB + ((ch ^ (tok & (NCH - 1))) << 4);
-        cp_async16(st + dst, gk + p * 16);
-        cp_async16(st + CHUNK * RB + dst, gv + p * 16);
+      for (int i = 0; i < PCS; ++i) {
+        const int tok = lane / NCH + i * (32 / NCH);
+        const int dst = tok * RB + (((lane % NCH) ^ (tok & (NCH - 1))) << 4);
+        cp_async16(st + dst, gk + i * 512);
+        cp_async16(st + CHUNK * RB + dst, gv + i * 512);
       }
-      const uint8_t* gks = ks_h + page * s_ps + off * SB;
-      const uint8_t* gvs = vs_h + page * s_ps + off * SB;
+      const size_t soff = (size_t)page * (uint32_t)s_ps + (uint32_t)(off * SB);
+      const uint8_t* gks = ks_h + soff;
+      const uint8_t* gvs = vs_h + soff;
 #pragma unroll
       for (int p = lane; p < CHUNK * SB / 16; p += 32) {
         cp_async16(st + 2 * CHUNK * RB + p * 16, gks + p * 16);
@@ -73,7 +80,6 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
     }
     cp_commit();
   };
-
 
   // The first stages' loads are in flight while Q is prepared.
 #pragma unroll

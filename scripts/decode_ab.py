@@ -1,0 +1,100 @@
+"""The CUDA decode kernel against another version of its source, side by side on one GPU.
+
+    git show REV:ninfer/kernels/csrc/paged_decode.cu > OLD/paged_decode.cu   # and decode_ops.cuh
+    PYTHONPATH=$PWD python3 scripts/decode_ab.py --old OLD --out $OUT/decode_ab.json
+
+Both sources are built with the same defines and launched through the same wrapper (the kernel's
+signature must match). Per case (format, geometry, context, batch; random valid pages), each
+kernel is checked against the float64 oracle, then timed as CUDA-graph replays in ABBA rounds
+(the card's speed drifts over minutes); the table gives medians and new / old.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from ninfer.bench.kernels import DecodeCase, time_graph  # noqa: E402
+from ninfer.kernels import cuda_build  # noqa: E402
+from ninfer.kernels import paged_decode as pd  # noqa: E402
+from ninfer.kernels import paged_decode_cuda as pdc  # noqa: E402
+
+
+def program_from(src_dir: Path) -> pdc._CudaDecode:
+    saved = cuda_build.CSRC
+    cuda_build.CSRC = src_dir
+    try:
+        return pdc._CudaDecode()
+    finally:
+        cuda_build.CSRC = saved
+
+
+def use(prog) -> None:
+    pdc._CUDA = prog
+    pd._CUDA = prog
+
+
+def prebuild(progs) -> None:
+    """nvcc every (program, format, head dim) at once: a build takes seconds, the machine has cores."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ninfer.kernels._common import fmt_code
+    from ninfer.kvcache.formats import get_format
+    major, minor = torch.cuda.get_device_capability()
+    jobs = [(prog, pdc._key(fmt_code(get_format(f)), d, torch.bfloat16)) for prog in progs
+            for f in ("int8", "rk4v4", "rk4v4-e8") for d in (128, 256)]
+    with ThreadPoolExecutor(16) as ex:
+        list(ex.map(lambda j: j[0].build(j[1], f"sm_{major}{minor}"), jobs))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--old", required=True, help="directory with the old paged_decode.cu and decode_ops.cuh")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    progs = {"old": program_from(Path(a.old)), "new": pdc._CUDA}
+    prebuild(progs.values())
+    cases = [(f, g, ctx, b) for g in ((32, 8, 128), (24, 4, 256)) for f in ("int8", "rk4v4", "rk4v4-e8")
+             for ctx, b in ((32768, 1), (131072, 1), (131072, 8))]
+    rows = []
+    for fmt, (hq, hkv, d), ctx, bsz in cases:
+        c = DecodeCase(fmt, hq, hkv, d, ctx, bsz, 1)
+
+        def call():
+            return pd.paged_decode(c.q, c.kp, c.vp, c.tables[0], c.seq_lens, fmt, c.scale, out=c.outs[0],
+                                   backend="cuda")
+        ref = pd.paged_decode_ref(c.q, c.kp, c.vp, c.tables[0], c.seq_lens, fmt, c.scale)
+        row = {"format": fmt, "geometry": f"{hq}q/{hkv}kv/D{d}", "ctx": ctx, "batch": bsz}
+        for name, prog in progs.items():
+            use(prog)
+            c.outs[0].fill_(float("nan"))
+            call()
+            row[f"rel_err_{name}"] = float((c.outs[0].double() - ref).norm() / ref.norm())
+        times = {"old": [], "new": []}
+        for r in range(a.rounds):
+            for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
+                use(progs[name])
+                times[name].append(time_graph([call] * 10, 60))
+        use(progs["new"])
+        row.update({f"us_{k}": statistics.median(v) for k, v in times.items()}, runs=times)
+        row["new_over_old"] = row["us_new"] / row["us_old"]
+        rows.append(row)
+        print(f"{fmt:9s} {row['geometry']:13s} ctx={ctx:6d} B={bsz}  old {row['us_old']:8.2f} us  "
+              f"new {row['us_new']:8.2f} us  new/old {row['new_over_old']:.3f}  "
+              f"rel_err {row['rel_err_old']:.2e} / {row['rel_err_new']:.2e}", flush=True)
+        c = ref = None  # free the pool before the next case
+        torch.cuda.empty_cache()
+    if a.out:
+        Path(a.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
