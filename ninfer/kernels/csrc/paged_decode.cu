@@ -48,15 +48,21 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
   const uint8_t* vs_h = reinterpret_cast<const uint8_t*>(vs) + kvh * s_hs;
   const int* bt_b = bt + b * bt_s;
 
-  // Loop-invariant parts of a stage's copies: piece p = lane + 32 i of the K/V rows (16 bytes each)
-  // goes to the swizzled smem offset dst_l[(i * 32 / NCH) & 1...] + i * 512, so each copy is a base
-  // register plus immediates; page offsets in 32-bit x 32-bit -> 64-bit (a page's stride is small).
+  // A stage's copies: piece lane + 32 i (16 bytes) of the K / V rows is a per-lane base plus
+  // compile-time immediates on both sides (global, and the swizzled smem row); page offsets are
+  // 32 x 32 -> 64-bit products (a page's stride is small). Page ids are loaded one stage ahead,
+  // so no stage's copies wait on a dependent block-table load.
   static_assert((CHUNK * NCH) % 32 == 0, "whole warps of 16-byte pieces");
   constexpr int PCS = CHUNK * NCH / 32;  // pieces per lane per plane
-  auto issue = [&](int it) {
+  auto page_of = [&](int it) -> uint32_t {
+    return it < my_n ? (uint32_t)bt_b[(t_lo + (warp + it * NW) * CHUNK) >> 6] : 0u;
+  };
+  uint32_t next_page = page_of(0);
+  auto issue = [&](int it) {  // called for it = 0, 1, 2, ... in order
+    const uint32_t page = next_page;
+    next_page = page_of(it + 1);
     if (it < my_n) {
       const int t0 = t_lo + (warp + it * NW) * CHUNK;
-      const uint32_t page = (uint32_t)bt_b[t0 >> 6];
       const int off = t0 & 63;
       uint8_t* st = wbase + (it % NST) * STAGE;
       const size_t doff = (size_t)page * (uint32_t)d_ps + (uint32_t)(off * RB + lane * 16);
