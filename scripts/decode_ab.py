@@ -17,9 +17,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
+from decode_probe import prebuild  # noqa: E402
 from ninfer.bench.kernels import DecodeCase, time_graph  # noqa: E402
 from ninfer.kernels import cuda_build  # noqa: E402
 from ninfer.kernels import paged_decode as pd  # noqa: E402
@@ -40,19 +42,6 @@ def use(prog) -> None:
     pd._CUDA = prog
 
 
-def prebuild(progs) -> None:
-    """nvcc every (program, format, head dim) at once: a build takes seconds, the machine has cores."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ninfer.kernels._common import fmt_code
-    from ninfer.kvcache.formats import get_format
-    major, minor = torch.cuda.get_device_capability()
-    jobs = [(prog, pdc._key(fmt_code(get_format(f)), d, torch.bfloat16)) for prog in progs
-            for f in ("int8", "rk4v4", "rk4v4-e8") for d in (128, 256)]
-    with ThreadPoolExecutor(16) as ex:
-        list(ex.map(lambda j: j[0].build(j[1], f"sm_{major}{minor}"), jobs))
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--old", required=True, help="directory with the old paged_decode.cu and decode_ops.cuh")
@@ -60,7 +49,7 @@ def main() -> int:
     p.add_argument("--out", default=None)
     a = p.parse_args()
     progs = {"old": program_from(Path(a.old)), "new": pdc._CUDA}
-    prebuild(progs.values())
+    prebuild(("int8", "rk4v4", "rk4v4-e8"), (128, 256), (None,), progs.values())
     cases = [(f, g, ctx, b) for g in ((32, 8, 128), (24, 4, 256)) for f in ("int8", "rk4v4", "rk4v4-e8")
              for ctx, b in ((32768, 1), (131072, 1), (131072, 8))]
     rows = []

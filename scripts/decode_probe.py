@@ -93,23 +93,26 @@ def decode_rows(fmts, ctx: int, calls: int | None, geom=(32, 8, 128), variants=(
     return rows
 
 
-def prebuild(fmts, dims, variants) -> None:
-    """nvcc every configuration at once (each build takes seconds; the machine has cores)."""
+def prebuild(fmts, dims, variants, programs=None) -> None:
+    """nvcc every configuration of every program (default: the engine's) at once: each build takes
+    seconds, the machine has cores."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ninfer.kernels._common import fmt_code
     from ninfer.kernels.paged_decode_cuda import _CUDA, CUDA_DEFAULT_CFG, _key
     from ninfer.kvcache.formats import get_format
+    programs = list(programs or [_CUDA])
     major, minor = torch.cuda.get_device_capability()
-    keys = []
+    keys = set()  # D256 ignores the register cap: one key for both variants
     for name in fmts:
         code = fmt_code(get_format(name))
         for d in dims:
             for var in variants:
                 cfg = CUDA_DEFAULT_CFG[code] if var is None else (*CUDA_DEFAULT_CFG[code][:3], var)
-                keys.append(_key(code, d, torch.bfloat16, cfg))
-    with ThreadPoolExecutor(16) as ex:  # D256 ignores the register cap: one key for both variants
-        list(ex.map(lambda k: _CUDA.build(k, f"sm_{major}{minor}"), sorted(set(keys))))
+                keys.add(_key(code, d, torch.bfloat16, cfg))
+    jobs = [(prog, key) for prog in programs for key in sorted(keys)]
+    with ThreadPoolExecutor(16) as ex:
+        list(ex.map(lambda j: j[0].build(j[1], f"sm_{major}{minor}"), jobs))
 
 
 def main() -> int:

@@ -50,12 +50,12 @@ from ninfer.kernels.decode_reduce import decode_reduce
 from ninfer.kernels.hadamard import rot_entry
 from ninfer.kvcache.formats import GROUP, get_format
 
-log = logging.getLogger(__name__)
-
 from ninfer.kernels._common import FMT_E8, FMT_INT8, FMT_PLAIN, FMT_RK4, LOG2E, SM_COUNT as _SM_COUNT, fmt_code  # noqa: F401
 from ninfer.kernels.paged_decode_cuda import (_CUDA, _CUDA_FMT, _CUDA_SRC, CUDA_DEFAULT_CFG,  # noqa: F401
                                               _paged_decode_cuda_split, cuda_kernel_info, cuda_num_splits,
                                               cuda_path_supported)
+
+log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- device helpers

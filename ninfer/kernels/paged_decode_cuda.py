@@ -117,7 +117,7 @@ def _paged_decode_cuda_split(q, kd, ks, vd, vs, block_tables, seq_lens, mid_o, m
     for t, nm in ((kd, "k"), (vd, "v"), (ks, "k_scale"), (vs, "v_scale")):
         if not t.is_contiguous():
             raise ValueError(f"paged_decode(cuda): plane {nm} must be contiguous")
-    if max(kd.stride(0) * kd.element_size(), ks.stride(0) * 2) >= 2 ** 32:
+    if max(kd.stride(0) * kd.element_size(), ks.stride(0) * ks.element_size()) >= 2 ** 32:
         raise ValueError("paged_decode(cuda): a page's stride must be < 4 GiB (32-bit page offsets)")
     key = _key(code, d, q.dtype, cfg)
     nw = key[3]
