@@ -2,6 +2,7 @@
 
     git show REV:ninfer/kernels/csrc/paged_decode.cu > OLD/paged_decode.cu   # and decode_ops.cuh
     PYTHONPATH=$PWD python3 scripts/decode_ab.py --old OLD --out $OUT/decode_ab.json
+    PYTHONPATH=$PWD python3 scripts/decode_ab.py --old OLD --new NEW     # two variants, neither shipped
 
 Both sources are built with the same defines and launched through the same wrapper (the kernel's
 signature must match). Per case (format, geometry, context, batch; random valid pages), each
@@ -45,10 +46,11 @@ def use(prog) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--old", required=True, help="directory with the old paged_decode.cu and decode_ops.cuh")
+    p.add_argument("--new", default=None, help="the same for the new one (default: the package's csrc/)")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    progs = {"old": program_from(Path(a.old)), "new": pdc._CUDA}
+    progs = {"old": program_from(Path(a.old)), "new": program_from(Path(a.new)) if a.new else pdc._CUDA}
     prebuild(("int8", "rk4v4", "rk4v4-e8"), (128, 256), (None,), progs.values())
     cases = [(f, g, ctx, b) for g in ((32, 8, 128), (24, 4, 256)) for f in ("int8", "rk4v4", "rk4v4-e8")
              for ctx, b in ((32768, 1), (131072, 1), (131072, 8))]

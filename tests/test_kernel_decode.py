@@ -307,7 +307,7 @@ def test_cuda_path_matches_oracle_with_growing_scores(fmt_name):
     when a chunk exceeds it by > 8) fires many times per warp, P reaches 2^8, and a wrong rescale
     weights whole chunks wrongly. Each case also runs with one split: at the default split count a
     warp of these short sequences sees one or two chunks, too few for a second rescale. Also random
-    scores, GQA 1 / 4 / 8, D 128 / 256, odd lengths."""
+    scores, GQA 1 / 4 / 8, D 128 / 256, odd lengths; the K and V scales of unwritten slots are NaN."""
     import torch
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -341,6 +341,11 @@ def test_cuda_path_matches_oracle_with_growing_scores(fmt_name):
             planes[which] = data.view(-1, page, hkv, data.shape[-1]).transpose(1, 2).contiguous().to(dev)
             if sc is not None:
                 planes[f"{which}_scale"] = sc.view(-1, page, hkv, sc.shape[-1]).transpose(1, 2).contiguous().to(dev)
+        for b, n in enumerate(lens):  # slots past the end as the pool leaves them: scales may be NaN
+            if n % page:
+                last = int(tables[b, pages_per[b] - 1])
+                for key in ("k_scale", "v_scale"):
+                    planes[key][last, :, n % page:] = float("nan")
         qd, tb, sl = q.to(dev, torch.bfloat16), tables.to(dev), torch.tensor(lens, dtype=torch.int32, device=dev)
         kp, vp = (planes["k"], planes.get("k_scale")), (planes["v"], planes.get("v_scale"))
         why = cuda_path_supported(qd, planes["k"], fmt_name)

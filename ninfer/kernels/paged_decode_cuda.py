@@ -70,8 +70,8 @@ def _cuda_smem_bytes(key: tuple) -> int:
     fmt_c, d, _qt, nw, chunk, nst, _minb = key
     g = d // GROUP
     rb = d if fmt_c == 1 else d // 2
-    stage = chunk * (2 * rb + 4 * g)
-    return max(nw * nst * stage, nw * 8 * d * 4)
+    stage = chunk * (2 * rb + (16 if rb == 64 and nst == 2 else 0) + 4 * g)  # padded V rows (paged_decode.cu)
+    return max(nw * nst * stage, nw * 8 * (d + 4) * 4)  # the stages, or the padded partial outputs
 
 
 def cuda_decode_unsupported(fmt_name: str, device: torch.device, q_dtype: torch.dtype, head_dim: int,

@@ -14,12 +14,22 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
   constexpr int RB = (FMT == 1) ? D : D / 2;  // data bytes per token
   constexpr int NCH = RB / 16;                // 16-byte chunks per token row
   constexpr int SB = G * 2;                   // scale bytes per token
-  constexpr int STAGE = CHUNK * (2 * RB + 2 * SB);
+  // V tile rows: 64-byte rows (4-bit, D = 128) are padded to 80 bytes, so the V reads of a warp (tokens
+  // 2ti + {0, 1, 8, 9}, 32 bytes each) hit 32 different banks; XOR-swizzled 64-byte rows cannot
+  // (even tokens all sit in banks 0..15): 2-way conflicts. K rows keep the swizzle. Not with 3+ stages,
+  // whose padding would not leave room for 2 blocks per SM.
+  constexpr bool VPAD = NCH == 4 && NST == 2;
+  constexpr int VRB = VPAD ? RB + 16 : RB;
+  auto k_at = [](int t, int c) -> int { return t * RB + ((c ^ (t & (NCH - 1))) << 4); };
+  auto v_at = [](int t, int c) -> int { return VPAD ? t * (RB + 16) + (c << 4) : t * RB + ((c ^ (t & (NCH - 1))) << 4); };
+  constexpr int STAGE = CHUNK * (RB + VRB + 2 * SB);
   constexpr int NSUB = CHUNK / 16;
   constexpr bool ROT = FMT != 1;
   constexpr int KSTEPS = D / 16;  // k-steps of the score MMA; also m-tiles of the output MMA
 
-  extern __shared__ __align__(16) uint8_t smem[];
+  // 128-byte aligned: the stages' base sits after the static arrays below, and a base 16 bytes off
+  // (16 more bytes of static smem) made every format 9-17% slower (H200, docs/KERNELS.md).
+  extern __shared__ __align__(128) uint8_t smem[];
   __shared__ float q_s[8][D];
   __shared__ float m_s[NW][8];
   __shared__ float l_s[NW][8];
@@ -71,23 +81,36 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
 #pragma unroll
       for (int i = 0; i < PCS; ++i) {
         const int tok = lane / NCH + i * (32 / NCH);
-        const int dst = tok * RB + (((lane % NCH) ^ (tok & (NCH - 1))) << 4);
+        const int dst = k_at(tok, lane % NCH);
         cp_async16(st + dst, gk + i * 512);
-        cp_async16(st + CHUNK * RB + dst, gv + i * 512);
+        cp_async16(st + CHUNK * RB + (VPAD ? v_at(tok, lane % NCH) : dst), gv + i * 512);
       }
       const size_t soff = (size_t)page * (uint32_t)s_ps + (uint32_t)(off * SB);
       const uint8_t* gks = ks_h + soff;
       const uint8_t* gvs = vs_h + soff;
 #pragma unroll
       for (int p = lane; p < CHUNK * SB / 16; p += 32) {
-        cp_async16(st + 2 * CHUNK * RB + p * 16, gks + p * 16);
-        cp_async16(st + 2 * CHUNK * RB + CHUNK * SB + p * 16, gvs + p * 16);
+        cp_async16(st + CHUNK * (RB + VRB) + p * 16, gks + p * 16);
+        // V scales of slots past the sequence end (garbage, maybe NaN) arrive as zeros: P.V needs no mask.
+        cp_async16_zfill(st + CHUNK * (RB + VRB + SB) + p * 16, gvs + p * 16,
+                         min(max((t_hi - t0) * SB - p * 16, 0), 16));
       }
     }
     cp_commit();
   };
 
-  // The first stages' loads are in flight while Q is prepared.
+  // Q's loads go out before the first stages' copies (behind them in the memory queue they cost ~10%
+  // of a batch-1 decode: ncu, 2026-11-30); the copies are in flight while Q is prepared.
+  static_assert(8 % NW == 0 && (8 * D) % (NW * 32) == 0, "Q rows per warp / elements per thread");
+  constexpr int QPT = ROT ? (8 / NW) * (D / 32) : 8 * D / (NW * 32);  // Q elements per thread
+  QT qraw[QPT];
+#pragma unroll
+  for (int i = 0; i < QPT; ++i) {
+    // rotated: row warp + NW (i / (D/32)), dims (D/32) lane + i % (D/32); int8: element tid_all + 256 i
+    const int r = ROT ? warp + NW * (i / (D / 32)) : (tid_all + i * NW * 32) / D;
+    const int d = ROT ? (D / 32) * lane + i % (D / 32) : (tid_all + i * NW * 32) % D;
+    if (r < group) qraw[i] = q[b * sq_b + (h0 + r) * sq_h + d];
+  }
 #pragma unroll
   for (int i = 0; i < NST - 1; ++i) issue(i);
 
@@ -100,12 +123,14 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
   if (ROT) {
     constexpr int QV = D / 32;          // dims per lane; dim bits 3..5 (nibble j) = lane bits below
     constexpr int JL = 8 / QV;          // lane xor of dim bit 3
-    for (int r = warp; r < 8; r += NW) {
+#pragma unroll
+    for (int rr = 0; rr < 8 / NW; ++rr) {
+      const int r = warp + rr * NW;
       float v[QV];
 #pragma unroll
       for (int i = 0; i < QV; ++i) {
         const int d = QV * lane + i;
-        v[i] = r < group ? to_f<QT>(q[b * sq_b + (h0 + r) * sq_h + d]) * rot_sign(d & 63) : 0.f;
+        v[i] = r < group ? to_f<QT>(qraw[rr * QV + i]) * rot_sign(d & 63) : 0.f;
       }
 #pragma unroll
       for (int hb = 1; hb < QV; hb <<= 1)  // in-register butterflies
@@ -152,9 +177,10 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
       if ((lane & (64 / QV - 1)) == 0) c_s[r][lane / (64 / QV)] = csum;
     }
   } else {
-    for (int i = tid_all; i < 8 * D; i += NW * 32) {
-      int r = i / D, d = i % D;
-      q_s[r][d] = r < group ? to_f<QT>(q[b * sq_b + (h0 + r) * sq_h + d]) : 0.f;
+#pragma unroll
+    for (int i = 0; i < QPT; ++i) {
+      const int r = (tid_all + i * NW * 32) / D, d = (tid_all + i * NW * 32) % D;
+      q_s[r][d] = r < group ? to_f<QT>(qraw[i]) : 0.f;
     }
   }
   __syncthreads();
@@ -207,8 +233,8 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
     const uint8_t* st = wbase + (it % NST) * STAGE;
     const uint8_t* sk = st;
     const uint8_t* sv = st + CHUNK * RB;
-    const __half* sks = reinterpret_cast<const __half*>(st + 2 * CHUNK * RB);
-    const __half* svs = reinterpret_cast<const __half*>(st + 2 * CHUNK * RB + CHUNK * SB);
+    const __half* sks = reinterpret_cast<const __half*>(st + CHUNK * (RB + VRB));
+    const __half* svs = reinterpret_cast<const __half*>(st + CHUNK * (RB + VRB + SB));
     const int t0 = t_lo + (warp + it * NW) * CHUNK;
 
     // ---- scores S^T [tokens x q rows] for the chunk
@@ -222,8 +248,8 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
         float acc[4] = {cin[g][0], cin[g][1], cin[g][0], cin[g][1]};
         if (FMT == 1) {
           const int ch = 4 * g + ti;
-          uint4 wa = *reinterpret_cast<const uint4*>(sk + ta * RB + ((ch ^ (ta & (NCH - 1))) << 4));
-          uint4 wb = *reinterpret_cast<const uint4*>(sk + tb * RB + ((ch ^ (tb & (NCH - 1))) << 4));
+          uint4 wa = *reinterpret_cast<const uint4*>(sk + k_at(ta, ch));
+          uint4 wb = *reinterpret_cast<const uint4*>(sk + k_at(tb, ch));
           uint32_t wA[4] = {wa.x, wa.y, wa.z, wa.w}, wB[4] = {wb.x, wb.y, wb.z, wb.w};
 #pragma unroll
           for (int s = 0; s < 4; ++s) {
@@ -238,8 +264,8 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
         } else {
           const int byte = g * 32 + ti * 8;
           const int ch = byte >> 4, inner = byte & 15;
-          uint2 wa = *reinterpret_cast<const uint2*>(sk + ta * RB + ((ch ^ (ta & (NCH - 1))) << 4) + inner);
-          uint2 wb = *reinterpret_cast<const uint2*>(sk + tb * RB + ((ch ^ (tb & (NCH - 1))) << 4) + inner);
+          uint2 wa = *reinterpret_cast<const uint2*>(sk + k_at(ta, ch) + inner);
+          uint2 wb = *reinterpret_cast<const uint2*>(sk + k_at(tb, ch) + inner);
           uint32_t ra0[4], ra1[4], rb0[4], rb1[4];
           raw_word(wa.x, ra0);
           raw_word(wa.y, ra1);
@@ -288,7 +314,7 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float mn = fmaxf(m_r[r], cm[r]);
-        alpha[r] = exp2f(m_r[r] - mn);
+        alpha[r] = ex2(m_r[r] - mn);
         m_r[r] = mn;
         l_r[r] *= alpha[r];
       }
@@ -309,22 +335,19 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
     }
 #pragma unroll
     for (int sub = 0; sub < NSUB; ++sub) {
-      float p0 = exp2f(sc[sub][0] - m_r[0]), p1 = exp2f(sc[sub][1] - m_r[1]);
-      float p2 = exp2f(sc[sub][2] - m_r[0]), p3 = exp2f(sc[sub][3] - m_r[1]);
+      float p0 = ex2(sc[sub][0] - m_r[0]), p1 = ex2(sc[sub][1] - m_r[1]);
+      float p2 = ex2(sc[sub][2] - m_r[0]), p3 = ex2(sc[sub][3] - m_r[1]);
       l_r[0] += p0 + p2;
       l_r[1] += p1 + p3;
       // P^T (tokens x rows) in C layout -> B fragments (tokens as k) by 8x8 transposes.
       uint32_t pb0 = movtrans(pack_half2(p0, p1));  // tokens 0..7 of the sub-chunk
       uint32_t pb1 = movtrans(pack_half2(p2, p3));  // tokens 8..15
       const int tk0 = sub * 16 + 2 * ti;           // this thread's B tokens: tk0, tk0+1, tk0+8, tk0+9
-      const bool v0 = t0 + tk0 < t_hi, v1 = t0 + tk0 + 1 < t_hi, v8 = t0 + tk0 + 8 < t_hi,
-                 v9 = t0 + tk0 + 9 < t_hi;
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        // V scale folded into P per group; garbage scales of unwritten slots are zeroed.
-        __half z = __float2half(0.f);
-        __half s0 = v0 ? svs[tk0 * G + g] : z, s1 = v1 ? svs[(tk0 + 1) * G + g] : z;
-        __half s8 = v8 ? svs[(tk0 + 8) * G + g] : z, s9 = v9 ? svs[(tk0 + 9) * G + g] : z;
+        // V scale folded into P per group (zero past the sequence end, see issue()).
+        __half s0 = svs[tk0 * G + g], s1 = svs[(tk0 + 1) * G + g];
+        __half s8 = svs[(tk0 + 8) * G + g], s9 = svs[(tk0 + 9) * G + g];
         __half2 sA = __halves2half2(s0, s1), sB = __halves2half2(s8, s9);
         uint32_t b0 = hmul2u(pb0, *reinterpret_cast<uint32_t*>(&sA));
         uint32_t b1 = hmul2u(pb1, *reinterpret_cast<uint32_t*>(&sB));
@@ -337,7 +360,7 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
             int t = toks[k];
-            w[k] = *reinterpret_cast<const uint2*>(sv + t * RB + ((ch ^ (t & (NCH - 1))) << 4) + inner);
+            w[k] = *reinterpret_cast<const uint2*>(sv + v_at(t, ch) + inner);
             w[k].x ^= 0x80808080u;
             w[k].y ^= 0x80808080u;
           }
@@ -365,7 +388,7 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
             int t = toks[k];
-            w[k] = *reinterpret_cast<const uint32_t*>(sv + t * RB + ((ch ^ (t & (NCH - 1))) << 4) + inner);
+            w[k] = *reinterpret_cast<const uint32_t*>(sv + v_at(t, ch) + inner);
           }
           if (FMT == 3) {
             const uint32_t bit = 0x10001000u;
@@ -419,7 +442,9 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
     l_r[1] += __shfl_xor_sync(0xffffffffu, l_r[1], off);
   }
   __syncthreads();  // every warp is done with its stages: reuse smem for the partial outputs
-  float* o_s = reinterpret_cast<float*>(smem);  // [NW][8][D]
+  // [NW][8][OS]: rows padded by 4 floats so the 4 rows a warp's lanes store to sit in different banks
+  constexpr int OS = D + 4;
+  float* o_s = reinterpret_cast<float*>(smem);
   if (gi == 0) {
     m_s[warp][2 * ti] = m_r[0];
     m_s[warp][2 * ti + 1] = m_r[1];
@@ -437,11 +462,11 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
       d0 = 16 * mt + gi;
       d1 = d0 + 8;
     }
-    float* base = o_s + warp * 8 * D;
-    base[(2 * ti) * D + d0] = o[mt][0];
-    base[(2 * ti + 1) * D + d0] = o[mt][1];
-    base[(2 * ti) * D + d1] = o[mt][2];
-    base[(2 * ti + 1) * D + d1] = o[mt][3];
+    float* base = o_s + warp * 8 * OS;
+    base[(2 * ti) * OS + d0] = o[mt][0];
+    base[(2 * ti + 1) * OS + d0] = o[mt][1];
+    base[(2 * ti) * OS + d1] = o[mt][2];
+    base[(2 * ti + 1) * OS + d1] = o[mt][3];
   }
   __syncthreads();
   for (int i = tid_all; i < group * D; i += NW * 32) {
@@ -454,7 +479,7 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
 #pragma unroll
       for (int w = 0; w < NW; ++w) {
         float f = exp2f(m_s[w][r] - mx);
-        num += f * o_s[w * 8 * D + r * D + d];
+        num += f * o_s[(w * 8 + r) * OS + d];
         den += f * l_s[w][r];
       }
     }
