@@ -5,7 +5,6 @@
 // intrinsics on the device, -ffp-contract=off on the host), rint = round half to even.
 #pragma once
 #include <stdint.h>
-#include <string.h>
 #include <math.h>
 
 #ifdef __CUDACC__

@@ -21,7 +21,7 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
   constexpr bool VPAD = NCH == 4 && NST == 2;
   constexpr int VRB = VPAD ? RB + 16 : RB;
   auto k_at = [](int t, int c) -> int { return t * RB + ((c ^ (t & (NCH - 1))) << 4); };
-  auto v_at = [](int t, int c) -> int { return VPAD ? t * (RB + 16) + (c << 4) : t * RB + ((c ^ (t & (NCH - 1))) << 4); };
+  auto v_at = [&](int t, int c) -> int { return VPAD ? t * (RB + 16) + (c << 4) : k_at(t, c); };
   constexpr int STAGE = CHUNK * (RB + VRB + 2 * SB);
   constexpr int NSUB = CHUNK / 16;
   constexpr bool ROT = FMT != 1;
