@@ -23,7 +23,9 @@ def read_rows(path: str) -> tuple[list[str], list[list[str]]]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         rows = list(csv.reader(f))
-    hdr = next(r for r in rows if "Address" in r and "Source" in r)
+    hdr = next((r for r in rows if "Address" in r and "Source" in r), None)
+    if hdr is None:
+        raise SystemExit(f"{path}: no 'Address'/'Source' header: not an `ncu --page source --csv` export")
     return hdr, [r for r in rows[rows.index(hdr) + 1:] if len(r) == len(hdr)]
 
 
