@@ -61,7 +61,7 @@ def store_inputs(fmt_name, hkv, d, tokens, gen, pattern="pages"):
     from ninfer.kvcache.formats import get_format
     fmt = get_format(fmt_name)
     dev = torch.device(DEV)
-    pages = 2 * tokens // PAGE
+    pages = max(2, 2 * tokens // PAGE)
     k = torch.randn(tokens, hkv, d, device=dev, generator=gen).to(torch.bfloat16)
     v = torch.randn(tokens, hkv, d, device=dev, generator=gen).to(torch.bfloat16) * 3
     from ninfer.bench.kernels import store_slots

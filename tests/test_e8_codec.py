@@ -94,10 +94,13 @@ def test_documented_tie_rules() -> None:
     n, c = e8.e8_nearest(torch.tensor([[0.375, 0.375, 0, 0, 0, 0, 0, 1.0]]))
     assert c.item() == 0 and n.tolist() == [[1, 0, 0, 0, 0, 0, 0, 1]]
     # at the box edges the move is inward (7 -> 6, -8 -> -7); equal costs -> lowest position
-    n, _ = e8._nearest_even_in_box(torch.tensor([[7.625] * 7 + [-8.625]]))
+    n, _, _ = e8.coset_candidates(torch.tensor([[7.625] * 7 + [-8.625]]))
     assert n.tolist() == [[6, 7, 7, 7, 7, 7, 7, -8]]
-    n, _ = e8._nearest_even_in_box(torch.tensor([[-8.625] + [7.625] * 7]))
+    n, _, _ = e8.coset_candidates(torch.tensor([[-8.625] + [7.625] * 7]))
     assert n.tolist() == [[-7, 7, 7, 7, 7, 7, 7, 7]]
+    # the half coset: -7.5 -> -6.5 and 7.5 -> 6.5 (n1 = -8 -> -7, 7 -> 6)
+    _, n1, _ = e8.coset_candidates(torch.tensor([[-7.75] * 7 + [7.9], [7.75] * 7 + [-7.9]]))
+    assert n1.tolist() == [[-7, -8, -8, -8, -8, -8, -8, 7], [6, 7, 7, 7, 7, 7, 7, -8]]
     # exact half: rint rounds half to even
     n, c = e8.e8_nearest(torch.tensor([[2.5, 3.5, 0, 0, 0, 0, 0, 0]]))
     assert c.item() == 0 and n.tolist() == [[2, 4, 0, 0, 0, 0, 0, 0]]

@@ -176,6 +176,21 @@ def test_scale_uses_represented_fp16() -> None:
     assert torch.equal(s[..., 0], s16.float())
 
 
+def test_4bit_scale_rounds_up_so_code_units_stay_in_the_box() -> None:
+    """The 4-bit rule: s is the smallest fp16 >= absmax / 8, so every code unit lies in [-8, 8],
+    also where s is an fp16 subnormal; nearest rounding leaves the box there (the check can fail)."""
+    from ninfer.kvcache.formats import code_units
+
+    x = _gauss(512, 64, 8) * torch.exp2(torch.randint(-40, 6, (512, 1), generator=torch.Generator().manual_seed(8)))
+    raw = x.abs().amax(-1, keepdim=True) / 8.0
+    s16, s = group_scales(x, 8.0, round_up=True)
+    below = (s16.view(torch.int16) - 1).view(torch.float16).float()
+    assert bool((s16.float() >= raw).all()) and bool((below < raw).all())
+    assert float(code_units(x, s).abs().max()) <= 8.0
+    _, s_rn = group_scales(x, 8.0)
+    assert float(code_units(x, s_rn).abs().max()) > 8.5  # subnormal scales rounded to nearest
+
+
 def test_unquantized_formats() -> None:
     x = _gauss(4, 128, 6, torch.bfloat16)
     d, s = get_format("auto").encode(x)

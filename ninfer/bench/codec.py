@@ -110,7 +110,7 @@ def _format_codec(name: str) -> Codec:
 
 def _scaled(xr: torch.Tensor, c: float, quant: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Rotated-domain reconstruction with fp16 per-64 scales absmax/c and a code-unit quantizer."""
-    _, s = group_scales(xr, c)
+    _, s = group_scales(xr, c, round_up=True)  # the 4-bit rule
     q = quant(code_units(xr, s))
     return (q.reshape(*q.shape[:-1], -1, GROUP) * s).reshape(xr.shape)
 

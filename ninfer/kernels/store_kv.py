@@ -17,12 +17,12 @@ Bit-exactness with the torch reference (``ninfer/kvcache/formats.py`` + ``e8.py`
   whose 64-group spans <= ~10 binades); otherwise the two may differ in the last ulp of a
   rotated value, as ``hadamard.py`` states, and rarely in a code;
 * the 4-bit formats split each token's 64 rotated values into 8 slices of 8 words (``tl.split``
-  on a [token, word, j] view), so the E8 search (argmax as a strict-> scan = first maximum),
-  the parity fix, the sequential distance sum and the nibble packing are elementwise per word;
+  on a [token, word, j] view), so the E8 search (argmax / argmin as strict scans = the first
+  one), the parity fix, the sequential sum and the nibble packing are elementwise per word;
 * everything after the rotation is the reference's exact op sequence: float32 absmax, IEEE
-  division by C (``div_rn``, not Triton's approximate ``/``), round-to-nearest-even fp16 scale
-  (underflow -> 2^-24), IEEE ``z = x / s``, ``rint`` via the 1.5*2^23 trick (round half to even),
-  the E8 search with the same keys, tie rules and the sequential j = 0..7 distance sum.
+  division by C (``div_rn``, not Triton's approximate ``/``), the fp16 scale (int8: nearest
+  even, underflow -> 2^-24; 4-bit: rounded up), ``z = x * RN(1/s)``, ``rint`` via the 1.5*2^23 trick (round half to
+  even), the E8 search with the same keys, tie rules and the sequential j = 0..7 sum.
 * Where the reference raises (NaN/Inf, a scale that overflows fp16) a kernel cannot (no host
   sync): the scale saturates at 65504 and codes clamp to the box.
 """
@@ -67,44 +67,59 @@ def _split8(x):
 
 
 @triton.jit
-def _nearest_even_in_box(ys, off):
-    """E8's D8 coset search per word, elementwise on 8 slices ys[j] - off ([BT, 8 (w)] float32):
-    -> (codes n_j int32 with an even sum, squared distance). Same keys, tie rules and the
-    sequential j = 0..7 distance sum as the reference (``e8.py``)."""
-    par = tl.zeros(ys[0].shape, tl.int32)
-    best = tl.full(ys[0].shape, -1.0, tl.float32)
-    bj = tl.zeros(ys[0].shape, tl.int32)
-    fs = ()
-    ts = ()
+def _e8_words(zs):
+    """The E8 search per word, elementwise on the 8 slices zs[j] ([BT, 8 (w)] float32) -> packed
+    words with the coset bit: ``e8.coset_candidates``' ops, keys, tie rules and sequential sum."""
+    s = tl.zeros(zs[0].shape, tl.float32)
+    k0b = tl.zeros(zs[0].shape, tl.float32)
+    vb = tl.zeros(zs[0].shape, tl.float32)
+    j0 = tl.zeros(zs[0].shape, tl.int32)
+    j1 = tl.zeros(zs[0].shape, tl.int32)
+    w0 = tl.zeros(zs[0].shape, tl.int32)
+    m = tl.zeros(zs[0].shape, tl.int32)
     for j in tl.static_range(8):
-        y = ys[j] - off
-        f = tl.minimum(tl.maximum(_rint(y), -8.0), 7.0)
-        r = y - f
-        t = tl.where(r >= 0, 1.0, -1.0)
-        t = tl.where((f + t > 7.0) | (f + t < -8.0), -t, t)  # box edge: inward neighbour
-        key = r * t
+        z = zs[j]
+        f = tl.minimum(tl.maximum(_rint(z), -8.0), 7.0)
+        r = z - f
+        a = tl.minimum(tl.abs(r), z + 8.0)
+        k0 = tl.minimum(a, 7.0 - z)
+        v = tl.maximum(a, -7.0 - z)
         if j == 0:
-            best = key
+            s = a
+            k0b = k0
+            vb = v
         else:
-            upd = key > best  # strict: the first maximum (lowest j) wins, as argmax(tie_break_left)
-            best = tl.where(upd, key, best)
-            bj = tl.where(upd, j, bj)
-        fi = f.to(tl.int32)
-        par = par ^ (fi & 1)
-        fs = fs + (fi,)
-        ts = ts + (t.to(tl.int32),)
-    odd = par != 0
-    ns = ()
-    d = tl.zeros(ys[0].shape, tl.float32)
-    for j in tl.static_range(8):
-        n = fs[j] + tl.where(odd & (bj == j), ts[j], 0)
-        e = (ys[j] - off) - n.to(tl.float32)
-        if j == 0:
-            d = e * e
-        else:
-            d = d + e * e  # sequential order, as the reference sums
-        ns = ns + (n,)
-    return ns, d
+            s = s + a  # sequential order, as the reference sums
+            u0 = k0 > k0b  # strict: the first maximum (lowest j) wins, as argmax
+            k0b = tl.where(u0, k0, k0b)
+            j0 = tl.where(u0, j, j0)
+            u1 = v < vb  # the first minimum, as argmin
+            vb = tl.where(u1, v, vb)
+            j1 = tl.where(u1, j, j1)
+        w0 = w0 | ((f.to(tl.int32) + 8) << (4 * j))
+        m = m | (((r < 0.0) & (a > 0.0)).to(tl.int32) << (4 * j))
+    w1 = w0 - m  # the half coset's values f - m: never below -8
+    odd0 = (_parity8(w0 & 0x11111111)) != 0
+    odd1 = (_parity8((w0 - m) & 0x11111111)) != 0
+    p0 = tl.where(odd0, 1.0 - 2.0 * k0b, 0.0)
+    p1 = tl.where(odd1, 1.0 - 2.0 * (0.5 - vb), 0.0)
+    half = ((2.0 - s) + p1) < p0  # ties keep the integer coset
+    w = tl.where(half, w1, w0)
+    sh = 4 * tl.where(half, j1, j0)
+    nib = (w >> sh) & 15
+    up = ((m >> sh) & 1) == half.to(tl.int32)  # integer coset: up unless r < 0; half: up iff m
+    up = tl.where(up, nib < 15, nib == 0)  # at the box edge: inward
+    w = w + tl.where(tl.where(half, odd1, odd0), tl.where(up, 1, -1) << sh, 0)
+    return (w & ~(1 << 28)) | (half.to(tl.int32) << 28)
+
+
+@triton.jit
+def _parity8(x):
+    """Parity of the bits of x (int32) at 0, 4, ..., 28."""
+    x = x ^ (x >> 16)
+    x = x ^ (x >> 8)
+    x = x ^ (x >> 4)
+    return x & 1
 
 
 @triton.jit
@@ -123,11 +138,15 @@ def _store_group(x_ptr, sxt, sxh, data_ptr, scale_ptr, rows, tok, valid, h, g, C
             r = tl.dot(r, rot64(tl.float32), input_precision="ieee")
     amax = tl.max(tl.abs(r), axis=1)
     raw = tl.minimum(tl.math.div_rn(amax, tl.full([BT], C, tl.float32)), 65504.0)
-    s = raw.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
-    s = tl.where((s == 0.0) & (amax > 0.0), 5.960464477539063e-08, s)  # 2^-24
-    tl.store(scale_ptr + rows * G + g, s.to(tl.float16), mask=valid)
-    pos = s > 0.0
-    z = tl.where(pos[:, None], tl.math.div_rn(r, tl.where(pos, s, 1.0)[:, None]), 0.0)
+    s16 = raw.to(tl.float16, fp_downcast_rounding="rtne")
+    if FMT == 1:
+        s16 = tl.where((s16 == 0.0) & (amax > 0.0), 5.960464477539063e-08, s16)  # 2^-24
+    else:  # the 4-bit rule rounds up: one fp16 step where rounding went down
+        s16 = tl.where(s16.to(tl.float32) < raw, (s16.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True), s16)
+    s = s16.to(tl.float32)
+    tl.store(scale_ptr + rows * G + g, s16, mask=valid)
+    y = tl.where(s > 0.0, tl.math.div_rn(tl.full([BT], 1.0, tl.float32), tl.where(s > 0.0, s, 1.0)), 0.0)
+    z = r * y[:, None]  # code units: x * RN(1/s), as formats.code_units
     if FMT == 1:
         q = tl.minimum(tl.maximum(_rint(z), -127.0), 127.0)
         tl.store(data_ptr + rows[:, None] * D + g * 64 + d[None, :], q.to(tl.int8), mask=m)
@@ -141,15 +160,7 @@ def _store_group(x_ptr, sxt, sxh, data_ptr, scale_ptr, rows, tok, valid, h, g, C
                 u = tl.minimum(tl.maximum(_rint(zs[j]), -8.0), 7.0).to(tl.int32) + 8
                 words = words | (u << (4 * j))
         else:
-            n0, d0 = _nearest_even_in_box(zs, 0.0)
-            n1, d1 = _nearest_even_in_box(zs, 0.5)
-            half = d1 < d0  # ties keep the integer coset
-            words = tl.zeros([BT, 8], tl.int32)
-            for j in tl.static_range(8):
-                u = tl.where(half, n1[j], n0[j]) + 8
-                if j == 7:
-                    u = (u & 0xE) | half.to(tl.int32)  # coset bit in nibble 7's low bit
-                words = words | (u << (4 * j))
+            words = _e8_words(zs)
         w = tl.arange(0, 8)
         tl.store(data_ptr + rows[:, None] * (D // 8) + g * 8 + w[None, :], words, mask=m)
 

@@ -1,7 +1,7 @@
 """E8 lattice codec and 4-bit nibble layout: the bit-exact specification GPU kernels follow.
 
-Everything here works on *code units* z = x / s (x rotated, s the represented fp16 scale of
-the 64-group, see ``formats.py``), vectorised over any leading shape; no Python loop touches
+Everything here works on *code units* z = x * RN(1/s) (x rotated, s the represented fp16 scale
+of the 64-group, see ``formats.py``), vectorised over any leading shape; no Python loop touches
 tokens.
 
 Lattice and box (DESIGN 2.1 step 3)
@@ -9,26 +9,32 @@ Lattice and box (DESIGN 2.1 step 3)
 E8 = D8 u (D8 + 1/2). Inside the box every point is ``p = n + c/2`` with ``n`` in [-8, 7]^8,
 ``sum(n)`` even and the coset bit ``c`` in {0, 1}: integer points in [-8, 7], half-integer
 points in [-7.5, 7.5]. So both cosets are the same problem "nearest n in [-8,7]^8 with even
-sum" applied to ``y = z`` (c = 0) and to ``y = z - 0.5`` (c = 1).
+sum" applied to ``y = z`` (c = 0) and to ``y = z - 0.5`` (c = 1), solved together below.
 
-Nearest point, exactly as computed (float32 throughout, IEEE round-to-nearest ops):
+Nearest point, exactly as computed (float32 IEEE round-to-nearest ops; one rint per coordinate
+serves both cosets, so a kernel pays for one search, not two):
 
-1. ``f = clamp(rint(y), -8, 7)`` per coordinate (``rint`` = round half to even), ``r = y - f``.
-2. Next-nearest in-box value of the other parity: ``a = f + t`` with ``t = +1 if r >= 0 else -1``;
-   if that leaves the box (f = 7 with t = +1, or f = -8 with t = -1) use the inward neighbour,
-   ``t = -t``. Moving coordinate i costs ``(y-a)^2 - (y-f)^2 = 1 - 2*r_i*t_i``, so the cheapest
-   move is the coordinate with the largest key ``m_i = r_i * t_i`` (an exact product);
-   **ties go to the lowest block position j** (nibble index, see layout).
-3. If ``sum(f)`` is odd, ``n = f`` with ``n_i += t_i`` for that one coordinate, else ``n = f``.
-   Changing one coordinate by its cheapest other-parity value is optimal for a separable cost
-   with a parity constraint, so ``n`` is the exact nearest even-sum point of the box.
-4. ``d_c = sum_j (y_j - n_j)^2`` summed **sequentially j = 0..7** in float32, for y0 = z and
-   y1 = z - 0.5 (one float32 subtraction). ``c = 1`` iff ``d_1 < d_0`` (**ties keep the integer
-   coset**). For inputs whose arithmetic is exact (dyadic values, e.g. every tie case) the result
-   does not depend on the summation order.
+1. ``f = clamp(rint(z), -8, 7)`` (``rint`` = round half to even), ``r = z - f`` (exact) and
+   ``a = min(|r|, z + 8)``: the distance ``|z - f|``, negated below the box (z < -8).
+2. The half coset's nearest in-box values are ``n1 = f - m``, ``m = [r < 0 and a > 0]`` (the
+   half-integer below z where z is below f, else above), at distance ``|0.5 - a|`` in every case,
+   so its squared distance exceeds the integer coset's by exactly ``sum(0.25 - a) = 2 - S`` with
+   ``S = a_0 + ... + a_7`` **summed sequentially**. No squares are computed.
+3. Moving one coordinate to its next-nearest in-box value of the other parity costs ``1 - 2k``:
+   ``k0 = min(a, 7 - z)`` in the integer coset and ``k1 = 0.5 - v``, ``v = max(a, -7 - z)`` in the
+   half coset (both are the distance to the current value, negated where the move must turn
+   inward at the box edge). If a coset's sum is odd, the coordinate with the largest key moves
+   (the integer coset: up unless r < 0; the half coset: up iff m; inward at the edge);
+   **ties go to the lowest block position j**. Changing one coordinate by its cheapest
+   other-parity value is optimal for a separable cost with a parity constraint.
+4. With ``P0 = 1 - 2 max k0`` and ``P1 = 1 - 2 (0.5 - min v)`` where that coset's sum is odd (else
+   0), ``c = 1`` iff ``(2 - S) + P1 < P0`` (**ties keep the integer coset**).
 
 The float32 decisions can differ from real arithmetic only when two candidates are equidistant
-to within float32 rounding; the tests bound the gap to the exact nearest point by 1e-5.
+to within float32 rounding; the tests bound the gap to the exact nearest point by 1e-5. Kernels
+may drop the lower clamp and the ``z + 8`` term of step 1 (so ``a = |r|``, ``m = [r < 0]``): they
+change nothing for z >= -8, and the 4-bit scale rounds up, so code units lie in [-8, 8]
+(``formats.py``).
 
 4-bit layout (docs/ARCHITECTURE.md "4-bit data layout")
 -------------------------------------------------------
@@ -82,24 +88,35 @@ def unpack_nibbles(data: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- E8 nearest point
-def _nearest_even_in_box(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Nearest n in [-8,7]^8 with even sum to y (float32 [..., 8]). Returns (n int32, distance^2)."""
-    f = torch.round(y).clamp_(NMIN, NMAX)
-    r = y - f
-    t = torch.where(r >= 0, 1.0, -1.0)
-    t = torch.where((f + t > NMAX) | (f + t < NMIN), -t, t)  # at the box edge: the inward neighbour
-    key = r * t
-    fi = f.to(torch.int32)
-    odd = (fi.sum(dim=-1) & 1).bool()
-    j = torch.argmax(key, dim=-1, keepdim=True)  # first maximum = lowest position on ties
-    move = torch.zeros_like(fi).scatter_(-1, j, 1) * odd[..., None].to(torch.int32)
-    n = fi + move * t.to(torch.int32)
-    e = y - n.to(y.dtype)
-    sq = e * e
-    d = sq[..., 0]
-    for k in range(1, 8):  # fixed sequential order: part of the bit-exact specification
-        d = d + sq[..., k]
-    return n, d
+def coset_candidates(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both cosets' nearest even-sum points for z float32 [..., 8] (steps 1-4 above).
+
+    Returns (n0, n1, half): int32 [..., 8] each in [-8, 7] with an even sum (the point is n0, or
+    n1 + 1/2) and bool [...] (the half coset is the nearer)."""
+    f = torch.round(z).clamp_(NMIN, NMAX)
+    r = z - f
+    a = torch.minimum(r.abs(), z + 8.0)
+    k0 = torch.minimum(a, 7.0 - z)
+    v = torch.maximum(a, -7.0 - z)
+    s = a[..., 0]
+    for j in range(1, 8):  # fixed sequential order: part of the bit-exact specification
+        s = s + a[..., j]
+    m = ((r < 0) & (a > 0)).to(torch.int32)
+    n0 = f.to(torch.int32)
+    n1 = n0 - m
+    odd0 = (n0.sum(-1) & 1).bool()
+    odd1 = (n1.sum(-1) & 1).bool()
+    p0 = torch.where(odd0, 1.0 - 2.0 * k0.amax(-1), 0.0)
+    p1 = torch.where(odd1, 1.0 - 2.0 * (0.5 - v.amin(-1)), 0.0)
+    half = ((2.0 - s) + p1) < p0  # ties keep the integer coset
+    for n, odd, j, up in ((n0, odd0, torch.argmax(k0, -1), m == 0),  # argmax/argmin: the first one
+                          (n1, odd1, torch.argmin(v, -1), m == 1)):
+        nj = n.gather(-1, j[..., None])
+        upj = up.gather(-1, j[..., None])
+        upj = torch.where(upj, nj < NMAX, nj == NMIN)  # at the box edge: inward
+        step = torch.where(upj, 1, -1).to(torch.int32) * odd[..., None].to(torch.int32)
+        n.scatter_add_(-1, j[..., None], step)
+    return n0, n1, half
 
 
 def e8_nearest(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,12 +127,8 @@ def e8_nearest(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     if z.shape[-1] != 8:
         raise ValueError(f"E8 blocks are 8-dimensional, got last dim {z.shape[-1]}")
-    z = z.to(torch.float32)
-    n0, d0 = _nearest_even_in_box(z)
-    n1, d1 = _nearest_even_in_box(z - 0.5)
-    half = d1 < d0  # ties keep the integer coset
-    n = torch.where(half[..., None], n1, n0)
-    return n, half.to(torch.int32)
+    n0, n1, half = coset_candidates(z.to(torch.float32))
+    return torch.where(half[..., None], n1, n0), half.to(torch.int32)
 
 
 def e8_point(n: torch.Tensor, c: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

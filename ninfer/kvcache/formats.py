@@ -15,11 +15,14 @@ Formats
              box, coset bit in nibble 7 (``e8.py``). The headline format.
 
 Scales (all scaled formats, bit-exact rule): ``s = fp16(absmax / C)`` with absmax and the
-division in float32 and the round-to-nearest-even fp16 conversion; a group that is not all zero
-but whose scale underflows to 0 gets the smallest fp16 subnormal 2^-24 instead (then |x/s| < C
-still holds); an all-zero group has s = 0 and codes 0, so it decodes exactly to 0. Code units are
-``z = x / s`` with the *represented* fp16 s (float32 IEEE division). NaN/Inf input, or a group
-whose scale would overflow fp16, raises ValueError.
+division in float32. int8 rounds to the nearest fp16 (even on ties); a group that is not all zero
+but whose scale underflows to 0 gets the smallest fp16 subnormal 2^-24 instead. The 4-bit formats
+round up (the smallest fp16 >= absmax / C, so never 0 for a nonzero group): then every code unit
+lies in [-8, 8] (|x| <= C s, and x * RN(1/s) cannot round past 8), the domain the CUDA E8
+encoder is written for, even where s is an fp16 subnormal with few significant bits. An all-zero
+group has s = 0 and codes 0, so it decodes exactly to 0. Code units are ``z = x * RN(1 / s)``
+with the *represented* fp16 s (float32 IEEE ops; within 1.5 ulp of x / s).
+NaN/Inf input, or a group whose scale would overflow fp16, raises ValueError.
 
 Scale constant C (s = absmax/C), measured with ``ninfer bench codec --sweep-c`` (N(0,1) after
 the rotation, 2^21 values, fp16 scales; docs/BENCHMARKS.md "Codec (CPU)"):
@@ -75,8 +78,9 @@ def _check_finite(x: torch.Tensor) -> None:
         raise ValueError(f"KV encode got {bad} non-finite value(s) (NaN/Inf) in K/V; refusing to store them")
 
 
-def group_scales(x: torch.Tensor, divisor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-64-group fp16 scales of x [..., D] (float32). Returns (scale fp16 [..., G], s float32 [..., G, 1])."""
+def group_scales(x: torch.Tensor, divisor: float, round_up: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-64-group fp16 scales of x [..., D] (float32). Returns (scale fp16 [..., G], s float32 [..., G, 1]).
+    round_up: the 4-bit rule (the fp16 value at or above absmax / divisor), else round to nearest."""
     g = x.reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
     amax = g.abs().amax(dim=-1)
     raw = amax / divisor
@@ -84,15 +88,19 @@ def group_scales(x: torch.Tensor, divisor: float) -> tuple[torch.Tensor, torch.T
         raise ValueError(f"KV group absmax {float(amax.max()):.6g} overflows the fp16 scale "
                          f"(absmax/{divisor:g} > {_FP16_MAX}); the model's K/V are out of range")
     s16 = raw.to(torch.float16)
-    s16 = torch.where((s16 == 0) & (amax > 0), torch.tensor(_FP16_MIN_SUBNORMAL, dtype=torch.float16), s16)
+    if round_up:  # one fp16 step up where rounding went down (raw >= 0: the bits are monotonic)
+        s16 = torch.where(s16.float() < raw, (s16.view(torch.int16) + 1).view(torch.float16), s16)
+    else:
+        s16 = torch.where((s16 == 0) & (amax > 0), torch.tensor(_FP16_MIN_SUBNORMAL, dtype=torch.float16), s16)
     return s16, s16.to(torch.float32)[..., None]
 
 
 def code_units(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """z = x / s per group (0 where s == 0); x float32 [..., D], s [..., G, 1] -> [..., D]."""
+    """z = x * y per group, y = RN(1 / s) (0 where s == 0, where x is all 0); x float32 [..., D],
+    s [..., G, 1] -> [..., D]. A multiply, not a division, so a kernel spends one op per value."""
     g = x.reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
-    z = torch.where(s > 0, g / torch.where(s > 0, s, 1.0), 0.0)
-    return z.reshape(x.shape)
+    y = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)
+    return (g * y).reshape(x.shape)
 
 
 @dataclass(frozen=True)
@@ -161,7 +169,7 @@ class KVFormat:
         if not self.has_scales:
             return x.to(self.storage), None
         xr = rotate(x).to(torch.float32) if self.rotated else x.to(torch.float32)
-        s16, s = group_scales(xr, float(self.scale_divisor))
+        s16, s = group_scales(xr, float(self.scale_divisor), round_up=self.packed)
         z = code_units(xr, s)
         if self.e8_lattice:
             return _e8.encode_e8(z), s16

@@ -6,6 +6,7 @@
 #pragma once
 #include <stdint.h>
 #include <math.h>
+#include <string.h>
 
 #ifdef __CUDACC__
 #define KV_HD __host__ __device__ __forceinline__
@@ -43,18 +44,6 @@ KV_HD float ffma(float a, float b, float c) {
 KV_HD float round_even(float x) { return rintf(x); }
 KV_HD uint32_t nibble_of(float f) { return (uint32_t)((int)f + 8); }
 
-// q = RN(a / b) for b > 0 given y = RN(1 / b): q0 = RN(a y), then two Markstein steps
-// (r = a - b q is exact by FMA; q + r y rounds correctly once q is within 1 ulp of a/b, which the
-// first step guarantees). 5 ops instead of an IEEE division per coordinate; the host test checks
-// it against true division for every positive fp16 b.
-KV_HD float div_by(float a, float b, float y) {
-  float q = fmul(a, y);
-  float r = ffma(-b, q, a);
-  q = ffma(r, y, q);
-  r = ffma(-b, q, a);
-  return ffma(r, y, q);
-}
-
 // The format's sign s_i = (-1)^f(i), f(i) = parity((i & (i >> 1)) & 0b010101); a compile-time i
 // folds it into the adds and multiplies.
 KV_HD constexpr float sign_at(int i) {
@@ -80,11 +69,12 @@ KV_HD void rotate_group(float (&a)[64]) {
   }
 }
 
-// rotate_group's output -> code units z = r / s in place (r = a x s_i / 8, exact; 0 where s == 0),
-// y = RN(1 / s).
-KV_HD void code_units_group(float (&a)[64], float s, float y) {
+// rotate_group's output -> code units z = r x y in place, r = a x s_i / 8 (exact) and y = RN(1 / s)
+// (0 for an all-zero group, whose r are all 0); the sign and the 1/8 fold into y exactly.
+KV_HD void code_units_group(float (&a)[64], float y) {
+  const float yp = 0.125f * y, yn = -0.125f * y;
 #pragma unroll
-  for (int i = 0; i < 64; ++i) a[i] = s > 0.f ? div_by(fmul(a[i], 0.125f * sign_at(i)), s, y) : 0.f;
+  for (int i = 0; i < 64; ++i) a[i] = fmul(a[i], sign_at(i) > 0.f ? yp : yn);
 }
 
 // rk4v4: nibble j = clamp(rint(z_j), -8, 7) + 8.
@@ -98,63 +88,66 @@ KV_HD uint32_t encode_scalar4_word(const float (&z)[8]) {
   return word;
 }
 
-// Nearest n in [-8, 7]^8 with an even sum to y: e8.py's _nearest_even_in_box with the same
-// results, computed with fewer ops. Its key r*t (t = the step to the next-nearest in-box value)
-// equals min(|r|, 7 - y, y + 8): |r| inside, the negative distance past the edge at y >= 7 or
-// y < -8 (both differences are exact wherever they can win the min). Only the winner's t is
-// needed; r = y - f is exact, so e = y - (f + t) = r - t, and the squared distance is the
-// reference's sequential sum with one term replaced. -> packed offset-binary nibbles, *d.
-KV_HD uint32_t nearest_even_in_box(const float (&y)[8], float* d) {
-  float sq[8];
-  float best = 0.f, br = 0.f, bf = 0.f;
-  int bj = 0;
-  uint32_t word = 0;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float f = fminf(fmaxf(round_even(y[j]), -8.f), 7.f);
-    const float r = fadd(y[j], -f);
-    const float key = fminf(fabsf(r), fminf(fadd(7.f, -y[j]), fadd(y[j], 8.f)));
-    sq[j] = fmul(r, r);
-    if (j == 0 || key > best) {  // strict: the first maximum wins (argmax's lowest index)
-      best = key;
-      bj = j;
-      br = r;
-      bf = f;
-    }
-    word |= nibble_of(f) << (4 * j);
-  }
+KV_HD uint32_t fbits(float x) {
 #ifdef __CUDA_ARCH__
-  const bool odd = __popc(word & 0x11111111u) & 1;
+  return __float_as_uint(x);
 #else
-  const bool odd = __builtin_popcount(word & 0x11111111u) & 1;
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  return u;
 #endif
-  float t = br >= 0.f ? 1.f : -1.f;
-  const float a = fadd(bf, t);
-  if (a > 7.f || a < -8.f) t = -t;  // at the box edge: the inward neighbour
-  const float e = fadd(br, -t);
-  const float moved = fmul(e, e);
-  float dist = 0.f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float term = (odd && j == bj) ? moved : sq[j];
-    dist = j == 0 ? term : fadd(dist, term);  // sequential j = 0..7, as the reference sums
-  }
-  if (odd) word = (uint32_t)((int32_t)word + (t > 0.f ? 1 : -1) * (1 << (4 * bj)));
-  *d = dist;
-  return word;
 }
 
-// rk4v4-e8: nearest of both cosets (ties keep the integer one); the coset bit replaces nibble 7's
-// low bit (its value is the parity of nibbles 0..6).
+KV_HD uint32_t popc(uint32_t x) {
+#ifdef __CUDA_ARCH__
+  return __popc(x);
+#else
+  return __builtin_popcount(x);
+#endif
+}
+
+// rk4v4-e8: e8.py's e8_nearest, op for op (see there for why it is the nearest point), for
+// z >= -8 (the 4-bit scale rounds up, so code units lie in [-8, 8]), where the reference's lower
+// clamp and its z + 8 term change nothing. Per coordinate: f = min(rint(z), 7), r = z - f, a = |r|;
+// the integer coset's move key k0 = min(a, 7 - z), the half coset's v = max(a, -7 - z) (its key
+// is 0.5 - v); the half coset's value is f - m, m = [r < 0]. Half minus integer distance: 2 - sum(a).
 KV_HD uint32_t encode_e8_word(const float (&z)[8]) {
-  float h[8];
+  float lo = 34952.f, hi = 34952.f;  // offset-binary nibbles as exact float sums: 8 x (1+16+256+4096)
+  float S = 0.f, K0 = 0.f, V = 0.f;
+  float k0s[8], vs[8];
+  uint32_t m = 0;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) h[j] = fadd(z[j], -0.5f);
-  float d0, d1;
-  uint32_t w0 = nearest_even_in_box(z, &d0);
-  uint32_t w1 = nearest_even_in_box(h, &d1);
-  bool half = d1 < d0;
-  uint32_t w = half ? w1 : w0;
+  for (int j = 0; j < 8; ++j) {
+    const float f = fminf(round_even(z[j]), 7.f);
+    const float r = fadd(z[j], -f);
+    const float a = fabsf(r);
+    k0s[j] = fminf(a, fadd(7.f, -z[j]));
+    vs[j] = fmaxf(a, fadd(-7.f, -z[j]));
+    S = j == 0 ? a : fadd(S, a);  // sequential j = 0..7
+    K0 = j == 0 ? k0s[j] : fmaxf(K0, k0s[j]);
+    V = j == 0 ? vs[j] : fminf(V, vs[j]);
+    if (j < 4) lo = ffma(f, (float)(1 << (4 * j)), lo);
+    else hi = ffma(f, (float)(1 << (4 * (j - 4))), hi);
+    m += (fbits(r) & 0x80000000u) >> (31 - 4 * j);
+  }
+  const uint32_t w0 = (uint32_t)lo | ((uint32_t)hi << 16);
+  const uint32_t p0 = popc(w0 & 0x11111111u) & 1, p1 = p0 ^ (popc(m) & 1);
+  const float P0 = p0 ? fadd(1.f, -2.f * K0) : 0.f;
+  const float P1 = p1 ? fadd(1.f, -2.f * fadd(0.5f, -V)) : 0.f;
+  const bool half = fadd(fadd(2.f, -S), P1) < P0;  // ties keep the integer coset
+  uint32_t w = half ? w0 - m : w0;
+  // the first coordinate with the best key, as a one-hot nibble: scan down, the lowest j wins
+  const float best = half ? -V : K0;
+  uint32_t one = 0;
+#pragma unroll
+  for (int j = 7; j >= 0; --j) one = (half ? -vs[j] : k0s[j]) == best ? 1u << (4 * j) : one;
+  if (half ? p1 : p0) {
+    // toward z: up unless r < 0 (integer coset) / unless r >= 0 (half coset); inward at the box edge
+    bool up = ((m & one) != 0) == half;
+    const uint32_t nib = w & (one * 15u);
+    if (up ? nib == one * 15u : nib == 0) up = !up;
+    w = up ? w + one : w - one;
+  }
   return (w & ~(1u << 28)) | ((uint32_t)half << 28);
 }
 

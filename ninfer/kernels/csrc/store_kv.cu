@@ -42,17 +42,14 @@ __device__ __forceinline__ void to_f32x2(uint32_t u, float& lo, float& hi, __hal
   hi = __half2float(__ushort_as_half((unsigned short)(u >> 16)));
 }
 
-// absmax (of the rotated group, already x 1/8) -> the fp16 scale as stored, its float value s
-// (2^-24 for a nonzero group that underflows) and y = RN(1/s). C is a power of 2, so
-// absmax x 1/C is the reference's division exactly; saturates at 65504 where the reference raises.
+// absmax (of the rotated group, already x 1/8) -> the fp16 scale as stored (rounded up: the 4-bit
+// rule, never 0 for a nonzero group), its float value s and y = RN(1/s), 0 when s = 0. C is a
+// power of 2, so absmax x 1/C is the reference's division exactly; saturates at 65504 where the
+// reference raises.
 __device__ __forceinline__ __half group_scale(float amax, float inv_c, float& s, float& y) {
-  __half s16 = __float2half_rn(fminf(amax * inv_c, 65504.f));
+  const __half s16 = __float2half_ru(fminf(amax * inv_c, 65504.f));
   s = __half2float(s16);
-  if (s == 0.f && amax > 0.f) {
-    s = 5.960464477539063e-08f;
-    s16 = __ushort_as_half((unsigned short)1);
-  }
-  y = __frcp_rn(s > 0.f ? s : 1.f);
+  y = s > 0.f ? __frcp_rn(s) : 0.f;
   return s16;
 }
 
@@ -111,12 +108,10 @@ extern "C" __global__ void __launch_bounds__(128) kv_store(
   for (int m = 1; m < 8; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m, 8));
   float s, y;
   const __half s16 = group_scale(amax * 0.125f, inv_c, s, y);  // the rotation's 1/8: exact
+  const float yp = 0.125f * y, yn = -0.125f * y;  // code units: the signs and the 1/8 fold into y exactly
   float z[8];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float r = kv::fmul(a[j], ((j & 1) ? s_odd : s_even) * ((j & 6) == 6 ? -0.125f : 0.125f));  // exact
-    z[j] = s > 0.f ? kv::div_by(r, s, y) : 0.f;
-  }
+  for (int j = 0; j < 8; ++j) z[j] = kv::fmul(a[j], ((j & 1) ? s_odd : s_even) * ((j & 6) == 6 ? -1.f : 1.f) > 0.f ? yp : yn);
   const uint32_t word = encode_word(z);
   const int64_t slot = (int64_t)slots[t];
   if (live && slot >= 0) {
@@ -153,7 +148,7 @@ extern "C" __global__ void __launch_bounds__(128, KV_ROWS_MINB) kv_store_rows(
   for (int i = 0; i < 64; ++i) amax = fmaxf(amax, fabsf(a[i]));
   float s, y;
   const __half s16 = group_scale(amax * 0.125f, inv_c, s, y);
-  kv::code_units_group(a, s, y);
+  kv::code_units_group(a, y);
   uint32_t words[8];
 #pragma unroll
   for (int w = 0; w < 8; ++w) {
@@ -171,3 +166,4 @@ extern "C" __global__ void __launch_bounds__(128, KV_ROWS_MINB) kv_store_rows(
   out[1] = make_uint4(words[4], words[5], words[6], words[7]);
   (which ? vs : ks)[row * groups + g] = s16;
 }
+
