@@ -21,8 +21,9 @@ Bit-exactness with the torch reference (``ninfer/kvcache/formats.py`` + ``e8.py`
   one), the parity fix, the sequential sum and the nibble packing are elementwise per word;
 * everything after the rotation is the reference's exact op sequence: float32 absmax, IEEE
   division by C (``div_rn``, not Triton's approximate ``/``), the fp16 scale (int8: nearest
-  even, underflow -> 2^-24; 4-bit: rounded up), ``z = x * RN(1/s)``, ``rint`` via the 1.5*2^23 trick (round half to
-  even), the E8 search with the same keys, tie rules and the sequential j = 0..7 sum.
+  even, underflow -> 2^-24; 4-bit: rounded up), ``z = x * RN(1/s)``, ``rint`` via the 1.5*2^23
+  trick (round half to even), the E8 search with the same keys, tie rules and the sequential
+  j = 0..7 sum.
 * Where the reference raises (NaN/Inf, a scale that overflows fp16) a kernel cannot (no host
   sync): the scale saturates at 65504 and codes clamp to the box.
 """
@@ -99,8 +100,8 @@ def _e8_words(zs):
         w0 = w0 | ((f.to(tl.int32) + 8) << (4 * j))
         m = m | (((r < 0.0) & (a > 0.0)).to(tl.int32) << (4 * j))
     w1 = w0 - m  # the half coset's values f - m: never below -8
-    odd0 = (_parity8(w0 & 0x11111111)) != 0
-    odd1 = (_parity8((w0 - m) & 0x11111111)) != 0
+    odd0 = _parity8(w0 & 0x11111111) != 0
+    odd1 = _parity8(w1 & 0x11111111) != 0
     p0 = tl.where(odd0, 1.0 - 2.0 * k0b, 0.0)
     p1 = tl.where(odd1, 1.0 - 2.0 * (0.5 - vb), 0.0)
     half = ((2.0 - s) + p1) < p0  # ties keep the integer coset
@@ -142,7 +143,8 @@ def _store_group(x_ptr, sxt, sxh, data_ptr, scale_ptr, rows, tok, valid, h, g, C
     if FMT == 1:
         s16 = tl.where((s16 == 0.0) & (amax > 0.0), 5.960464477539063e-08, s16)  # 2^-24
     else:  # the 4-bit rule rounds up: one fp16 step where rounding went down
-        s16 = tl.where(s16.to(tl.float32) < raw, (s16.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True), s16)
+        up = (s16.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True)
+        s16 = tl.where(s16.to(tl.float32) < raw, up, s16)
     s = s16.to(tl.float32)
     tl.store(scale_ptr + rows * G + g, s16, mask=valid)
     y = tl.where(s > 0.0, tl.math.div_rn(tl.full([BT], 1.0, tl.float32), tl.where(s > 0.0, s, 1.0)), 0.0)

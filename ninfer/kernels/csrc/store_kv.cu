@@ -111,7 +111,10 @@ extern "C" __global__ void __launch_bounds__(128) kv_store(
   const float yp = 0.125f * y, yn = -0.125f * y;  // code units: the signs and the 1/8 fold into y exactly
   float z[8];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) z[j] = kv::fmul(a[j], ((j & 1) ? s_odd : s_even) * ((j & 6) == 6 ? -1.f : 1.f) > 0.f ? yp : yn);
+  for (int j = 0; j < 8; ++j) {
+    const float sign = ((j & 1) ? s_odd : s_even) * ((j & 6) == 6 ? -1.f : 1.f);
+    z[j] = kv::fmul(a[j], sign > 0.f ? yp : yn);
+  }
   const uint32_t word = encode_word(z);
   const int64_t slot = (int64_t)slots[t];
   if (live && slot >= 0) {
