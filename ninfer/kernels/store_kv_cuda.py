@@ -1,5 +1,5 @@
 """CUDA C++ store for the 4-bit formats (rk4v4, rk4v4-e8): csrc/store_kv.cu, a thread per 64-group
-for chunks of ROWS_MIN_TOKENS or more, eight lanes per group (one word each) below.
+for launches of ROWS_MIN_GROUPS 64-groups or more, eight lanes per group (one word each) below.
 
 Same contract and bytes as the Triton ``store_kv`` (which stays the portable path and the one
 the CPU tests run): the kernel's arithmetic is ``csrc/kv_encode.cuh``, which the CPU tests also
@@ -16,9 +16,12 @@ from ninfer.kernels.cuda_build import CudaProgram, nvcc_path
 from ninfer.kvcache.formats import get_format
 
 THREADS = 128
-# From this many tokens on, one thread per 64-group (kv_store_rows: fewer instructions per
-# coordinate); below it, eight lanes per group (kv_store: a decode step's latency).
-ROWS_MIN_TOKENS = 64
+# From this many 64-groups per launch (tokens x Hkv x D/64 x 2) on, one thread per group
+# (kv_store_rows: a third of the instructions per coordinate); below it, eight lanes per group
+# (kv_store: 8x the threads, so a short chunk still fills the GPU). H200, 8 kv heads, D128
+# (scripts/store_rows_threshold.py): rows / lanes = 1.37-1.58 (rk4v4-e8) and 1.18-1.24 (rk4v4) up
+# to 256 tokens, 1.01 / 0.98 at 1024 tokens (32768 groups), 0.93 / 0.90 at 2048, 0.67 / 0.62 at 16384.
+ROWS_MIN_GROUPS = 32768
 _STORE = CudaProgram("store_kv.cu", ("kv_encode.cuh",), "kv_store")
 _XT = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
 _ST = {torch.int64: "int64_t", torch.int32: "int32_t"}
@@ -62,8 +65,8 @@ def store_kv_cuda(k, v, kd, ks, vd, vs, slot_mapping, code: int, divisor: float,
     variant: extra -D defines (the benchmark's register-cap variants)."""
     t, hkv, d = k.shape
     groups = d // 64
-    rows = t >= ROWS_MIN_TOKENS and all(x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0 and x.stride(1) % 8 == 0
-                                         for x in (k, v))
+    rows = t * hkv * groups * 2 >= ROWS_MIN_GROUPS and all(
+        x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0 and x.stride(1) % 8 == 0 for x in (k, v))
     entry = "kv_store_rows" if rows else "kv_store"
     _mod, fn, _smem, _occ, _regs = _STORE.load({**defs(code, k.dtype, slot_mapping.dtype), **(variant or {})},
                                                 k.device, 0, THREADS, entry)
