@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_store_prefill as b  # noqa: E402
+from store_ab import planes_bytes  # noqa: E402
 from ninfer.kernels import store_kv_cuda as sc  # noqa: E402
 from ninfer.kernels.store_kv import store_kv  # noqa: E402
 
@@ -39,7 +40,7 @@ def main() -> None:
             fmt, k, v, slots, newp = b.store_inputs(name, 8, 128, tokens, gen, "pages")
             tri = newp()
             store_kv(k, v, tri, slots, name, backend="triton")
-            ref = torch.cat([p.view(torch.uint8).flatten() for p in tri.values()])
+            ref = planes_bytes(tri)
 
             def store(kk, vv, planes, ss, kern):
                 sc.ROWS_MIN_GROUPS = KERNELS[kern]
@@ -49,7 +50,7 @@ def main() -> None:
                 pl = newp()
                 store(k, v, pl, slots, kern)
                 torch.cuda.synchronize()
-                bad[kern] = (torch.cat([p.view(torch.uint8).flatten() for p in pl.values()]) != ref).float().mean().item()
+                bad[kern] = (planes_bytes(pl) != ref).float().mean().item()
             us = {kern: [] for kern in KERNELS}
             for r in range(a.rounds):
                 for kern in (("lanes", "rows") if r % 2 == 0 else ("rows", "lanes")):
