@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-store", action="store_true")
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--prefill-chunk", type=int, default=2048)
-    p.add_argument("--rep-ms", type=int, default=200, help="do_bench rep time per measurement (ms)")
+    p.add_argument("--rep-ms", type=int, default=200, help="ms of timed replays per measurement")
 
 
 def _tokens(s: str) -> int:
