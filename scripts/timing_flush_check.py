@@ -26,53 +26,14 @@ import torch  # noqa: E402
 from ninfer.bench import kernels as kb  # noqa: E402
 
 
-def capture(calls):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    return g
-
-
-def timed(g, n_calls: int, mode: str, cache: torch.Tensor, rep_ms: int) -> float:
-    """Median us per call over reps; each rep = flush (untimed) + one replay (timed)."""
-    flush = {"zero": lambda: cache.zero_(), "read": lambda: cache.view(torch.int32).sum(),
-             "none": lambda: None}[mode]
-    for _ in range(3):
-        flush()
-        g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    g.replay()
-    e1.record()
-    torch.cuda.synchronize()
-    n = max(5, min(2000, int(rep_ms / max(e0.elapsed_time(e1), 1e-3))))
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    for i in range(n):
-        flush()
-        starts[i].record()
-        g.replay()
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3 / n_calls
-
-
 def measure(g, n_calls, cache, rep_ms, rounds):
-    out = {m: [] for m in ("zero", "read", "none")}
+    """Median us per call for each flush, over rounds; each rep = flush (untimed) + one replay."""
+    flushes = {"zero": lambda: cache.zero_(), "read": lambda: cache.view(torch.int32).sum(),
+               "none": lambda: None}
+    out = {m: [] for m in flushes}
     for _ in range(rounds):
-        for m in out:
-            out[m].append(timed(g, n_calls, m, cache, rep_ms))
+        for m, fl in flushes.items():
+            out[m].append(kb.median_us(g.replay, rep_ms, flush=fl) / n_calls)
     return {m: statistics.median(v) for m, v in out.items()}
 
 
@@ -99,7 +60,7 @@ def main() -> int:
                 calls = [lambda i=i: paged_decode(case.q, case.kp, case.vp, case.tables[i], case.seq_lens, fmt,
                                                   case.scale, out=case.outs[i], backend="cuda")
                          for i in range(case.sets)]
-                g = capture(calls)
+                g = kb.capture_graph(calls)
                 r = {"kind": "decode", "format": fmt, "geo": geo, "batch": bsz, "sets": case.sets,
                      **measure(g, case.sets, cache, a.rep_ms, a.rounds)}
                 rows.append(r)
@@ -120,7 +81,7 @@ def main() -> int:
                         return torch.nn.functional.scaled_dot_product_attention(qs, kv[i][0], kv[i][1],
                                                                                 enable_gqa=True)
                 try:
-                    g = capture([lambda i=i: sd(i) for i in range(sets)])
+                    g = kb.capture_graph([lambda i=i: sd(i) for i in range(sets)])
                     r = {"kind": "sdpa", "format": be, "geo": geo, "batch": bsz, "sets": sets,
                          **measure(g, sets, cache, a.rep_ms, a.rounds)}
                     del g
@@ -140,7 +101,7 @@ def main() -> int:
         vs = [torch.randn(tokens, hkv, d, dtype=torch.bfloat16, device="cuda") for _ in range(sets)]
         slots = [kb.store_slots(tokens, num_pages, "pages") for _ in range(sets)]
         for n_sets in (8, 1):
-            g = capture([lambda i=i: store_kv(ks[i], vs[i], planes, slots[i], fmt) for i in range(n_sets)])
+            g = kb.capture_graph([lambda i=i: store_kv(ks[i], vs[i], planes, slots[i], fmt) for i in range(n_sets)])
             r = {"kind": "store", "format": fmt, "geo": "8kv/D128", "tokens": tokens, "sets": n_sets,
                  **measure(g, n_sets, cache, a.rep_ms, a.rounds)}
             rows.append(r)

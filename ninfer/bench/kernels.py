@@ -56,8 +56,10 @@ def _tokens(s: str) -> int:
 
 
 # ----------------------------------------------------------------------------- timing
-def median_us(fn: Callable[[], object], rep_ms: int, warmup_ms: int = 10) -> float:
-    """Median microseconds of fn over repeats, each after an untimed L2 flush that *reads* 256 MB.
+def median_us(fn: Callable[[], object], rep_ms: int, warmup_ms: int = 10,
+              flush: Callable[[], object] | None = None) -> float:
+    """Median microseconds of fn over repeats, each after an untimed L2 flush: by default one that
+    *reads* 256 MB (``flush`` replaces it; scripts/timing_flush_check.py compares flushes).
 
     triton.testing.do_bench flushes by writing (``zero_()``): the L2 is then full of dirty lines,
     and the timed kernel pays for writing them back to HBM while it reads. On the H200 that added
@@ -68,10 +70,11 @@ def median_us(fn: Callable[[], object], rep_ms: int, warmup_ms: int = 10) -> flo
 
     import torch
 
-    flush_buf = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
+    if flush is None:
+        flush_buf = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
 
-    def flush():
-        flush_buf.sum()
+        def flush():
+            flush_buf.sum()
 
     def one() -> float:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -97,15 +100,15 @@ def median_us(fn: Callable[[], object], rep_ms: int, warmup_ms: int = 10) -> flo
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1000.0
 
 
-def time_graph(calls: list[Callable[[], object]], rep_ms: int) -> float:
-    """Median microseconds per call: the calls are captured once into a CUDA graph, replayed under
-    ``median_us``, and the replay time is divided by len(calls)."""
+def capture_graph(calls: list[Callable[[], object]]):
+    """The calls run once on a side stream (compile / first-use builds happen there, outside the
+    graph), then are captured in order into one CUDA graph, replayed once."""
     import torch
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for c in calls:  # compile / first-use builds happen here, outside the graph
+        for c in calls:
             c()
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
@@ -115,6 +118,13 @@ def time_graph(calls: list[Callable[[], object]], rep_ms: int) -> float:
             c()
     g.replay()
     torch.cuda.synchronize()
+    return g
+
+
+def time_graph(calls: list[Callable[[], object]], rep_ms: int) -> float:
+    """Median microseconds per call: the calls are captured once into a CUDA graph, replayed under
+    ``median_us``, and the replay time is divided by len(calls)."""
+    g = capture_graph(calls)
     us = median_us(g.replay, rep_ms, warmup_ms=max(10, rep_ms // 8))
     del g
     return us / len(calls)
