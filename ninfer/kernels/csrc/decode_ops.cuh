@@ -49,14 +49,14 @@ __device__ __forceinline__ uint32_t movtrans(uint32_t x) {
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
   return r;
 }
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+// 16 bytes global -> shared (a shared-window address), asynchronously; the second form copies only
+// where `on` and zero-fills the bytes at and past `bytes` (0..16) of the piece.
+__device__ __forceinline__ void cp_async16(uint32_t s, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
 }
-// The same copy, zero-filling the bytes at and past `bytes` (0..16) of the piece.
-__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, int bytes) {
-  uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(bytes));
+__device__ __forceinline__ void cp_async16_zfill_if(bool on, uint32_t s, const void* gmem, int bytes) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16, %2;\n}"
+               ::"r"(s), "l"(gmem), "r"(bytes), "r"((int)on));
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>

@@ -58,26 +58,41 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
   const uint8_t* vs_h = reinterpret_cast<const uint8_t*>(vs) + kvh * s_hs;
   const int* bt_b = bt + b * bt_s;
 
-  // A stage's copies: piece lane + 32 i (16 bytes) of the K / V rows is a per-lane base plus
-  // compile-time immediates on both sides (global, and the swizzled smem row); page offsets are
-  // 32 x 32 -> 64-bit products (a page's stride is small). Page ids are loaded one stage ahead,
-  // so no stage's copies wait on a dependent block-table load.
+  // A stage's copies. Chunk it of this warp starts at token t_lo + (warp + it NW) CHUNK: page
+  // bt_w[it PSTEP], at the same offset woff in every page (NW CHUNK is a multiple of 64). So a copy's
+  // global address is one 32 x 32 -> 64-bit multiply-add per plane (page x page stride + this lane's
+  // base; a page's stride is small) plus immediates, and its shared address a per-lane base plus
+  // immediates; nothing else is recomputed per chunk. Page ids are loaded one chunk ahead, so no
+  // stage's copies wait on a dependent block-table load.
   static_assert((CHUNK * NCH) % 32 == 0, "whole warps of 16-byte pieces");
+  static_assert((NW * CHUNK) % 64 == 0 && 64 % CHUNK == 0, "a warp's chunks sit at one offset of their pages");
   constexpr int PCS = CHUNK * NCH / 32;  // pieces per lane per plane
-  auto page_of = [&](int it) -> uint32_t {
-    return it < my_n ? (uint32_t)bt_b[(t_lo + (warp + it * NW) * CHUNK) >> 6] : 0u;
-  };
-  uint32_t next_page = page_of(0);
+  constexpr int PSTEP = NW * CHUNK / 64;
+  constexpr int NSP = CHUNK * SB / 16;   // 16-byte pieces of a stage's K (and V) scales
+  static_assert(2 * NSP <= 32, "one scale piece per lane");
+  const int woff = (warp * CHUNK) & 63;
+  const int* bt_w = bt_b + p_lo + ((warp * CHUNK) >> 6);
+  const uint8_t* gk_l = kd_h + woff * RB + lane * 16;
+  const uintptr_t v_minus_k = (uintptr_t)vd_h - (uintptr_t)kd_h;
+  const uint32_t d_ps32 = (uint32_t)d_ps, s_ps32 = (uint32_t)s_ps;
+  // scale pieces: lanes [0, NSP) copy K's, [NSP, 2 NSP) V's (zero-filled past the split's end, so
+  // P.V needs no mask: V scales of slots past the end may be garbage, even NaN); other lanes none
+  const bool s_on = lane < 2 * NSP, s_v = lane >= NSP;
+  const int s_pc = lane % NSP;
+  const uint8_t* gs_l = (s_v ? vs_h : ks_h) + woff * SB + s_pc * 16;
+  const int s_dst = CHUNK * (RB + VRB) + (s_v ? CHUNK * SB : 0) + s_pc * 16;
+  // bytes of this lane's V scale piece before the end of the split, for the chunk issued next
+  int s_rem = s_v ? (t_hi - (t_lo + warp * CHUNK)) * SB - s_pc * 16 : (1 << 30);
+  const uint32_t wbase_s = static_cast<uint32_t>(__cvta_generic_to_shared(wbase));
+  uint32_t next_page = my_n > 0 ? (uint32_t)bt_w[0] : 0u;
+  int issue_stage = 0;  // it % NST (NST = 2: it & 1)
   auto issue = [&](int it) {  // called for it = 0, 1, 2, ... in order
     const uint32_t page = next_page;
-    next_page = page_of(it + 1);
+    next_page = it + 1 < my_n ? (uint32_t)bt_w[(it + 1) * PSTEP] : 0u;
     if (it < my_n) {
-      const int t0 = t_lo + (warp + it * NW) * CHUNK;
-      const int off = t0 & 63;
-      uint8_t* st = wbase + (it % NST) * STAGE;
-      const size_t doff = (size_t)page * (uint32_t)d_ps + (uint32_t)(off * RB + lane * 16);
-      const uint8_t* gk = kd_h + doff;
-      const uint8_t* gv = vd_h + doff;
+      const uint32_t st = wbase_s + (NST == 2 ? (it & 1) : issue_stage) * STAGE;
+      const uint8_t* gk = gk_l + (size_t)page * d_ps32;
+      const uint8_t* gv = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(gk) + v_minus_k);
 #pragma unroll
       for (int i = 0; i < PCS; ++i) {
         const int tok = lane / NCH + i * (32 / NCH);
@@ -85,17 +100,10 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
         cp_async16(st + dst, gk + i * 512);
         cp_async16(st + CHUNK * RB + (VPAD ? v_at(tok, lane % NCH) : dst), gv + i * 512);
       }
-      const size_t soff = (size_t)page * (uint32_t)s_ps + (uint32_t)(off * SB);
-      const uint8_t* gks = ks_h + soff;
-      const uint8_t* gvs = vs_h + soff;
-#pragma unroll
-      for (int p = lane; p < CHUNK * SB / 16; p += 32) {
-        cp_async16(st + CHUNK * (RB + VRB) + p * 16, gks + p * 16);
-        // V scales of slots past the sequence end (garbage, maybe NaN) arrive as zeros: P.V needs no mask.
-        cp_async16_zfill(st + CHUNK * (RB + VRB + SB) + p * 16, gvs + p * 16,
-                         min(max((t_hi - t0) * SB - p * 16, 0), 16));
-      }
+      cp_async16_zfill_if(s_on, st + s_dst, gs_l + (size_t)page * s_ps32, min(max(s_rem, 0), 16));
     }
+    s_rem -= NW * CHUNK * SB;
+    if (NST != 2) issue_stage = issue_stage + 1 == NST ? 0 : issue_stage + 1;
     cp_commit();
   };
 
@@ -226,11 +234,13 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
   float m_r[2] = {-INFINITY, -INFINITY};
   float l_r[2] = {0.f, 0.f};
 
+  int use_stage = 0;
   for (int it = 0; it < my_n; ++it) {
     cp_wait<NST - 2>();
     __syncwarp();
     issue(it + NST - 1);  // refills the stage consumed in the previous iteration
-    const uint8_t* st = wbase + (it % NST) * STAGE;
+    const uint8_t* st = wbase + (NST == 2 ? (it & 1) : use_stage) * STAGE;
+    if (NST != 2) use_stage = use_stage + 1 == NST ? 0 : use_stage + 1;
     const uint8_t* sk = st;
     const uint8_t* sv = st + CHUNK * RB;
     const __half* sks = reinterpret_cast<const __half*>(st + CHUNK * (RB + VRB));
@@ -294,22 +304,23 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
       sc[sub][3] = vb ? tot[3] * qk_scale : -INFINITY;
     }
     // ---- online softmax (rows 2ti, 2ti+1 live in this thread; tokens across gi lanes)
+    // Lazy rescale: the running max moves only when a chunk's max exceeds it by more than 8 (log2
+    // units), so most chunks skip the O *= alpha pass; P <= 2^8 stays exact enough in fp16 and the
+    // final merge uses the same max (H200, 90K/128K: rk4v4-e8 D128 -3%, int8 and D256 unchanged).
+    // Whether any row's chunk max exceeds it is known from this lane's own scores, so the max's
+    // shuffles run only then. m_r = -inf before the first chunk: the first chunk always rescales.
     float cm[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int sub = 0; sub < NSUB; ++sub) {
       cm[0] = fmaxf(cm[0], fmaxf(sc[sub][0], sc[sub][2]));
       cm[1] = fmaxf(cm[1], fmaxf(sc[sub][1], sc[sub][3]));
     }
-#pragma unroll
-    for (int off = 4; off < 32; off <<= 1) {
-      cm[0] = fmaxf(cm[0], __shfl_xor_sync(0xffffffffu, cm[0], off));
-      cm[1] = fmaxf(cm[1], __shfl_xor_sync(0xffffffffu, cm[1], off));
-    }
-    // Lazy rescale: the running max moves only when a chunk's max exceeds it by more than 8 (log2
-    // units), so most chunks skip the O *= alpha pass; P <= 2^8 stays exact enough in fp16 and the
-    // final merge uses the same max (H200, 90K/128K: rk4v4-e8 D128 -3%, int8 and D256 unchanged).
-    // m_r = -inf before the first chunk, so the first chunk always rescales (alpha = 0).
     if (__any_sync(0xffffffffu, cm[0] > m_r[0] + 8.f || cm[1] > m_r[1] + 8.f)) {
+#pragma unroll
+      for (int off = 4; off < 32; off <<= 1) {
+        cm[0] = fmaxf(cm[0], __shfl_xor_sync(0xffffffffu, cm[0], off));
+        cm[1] = fmaxf(cm[1], __shfl_xor_sync(0xffffffffu, cm[1], off));
+      }
       float alpha[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -345,7 +356,7 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
       const int tk0 = sub * 16 + 2 * ti;           // this thread's B tokens: tk0, tk0+1, tk0+8, tk0+9
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        // V scale folded into P per group (zero past the sequence end, see issue()).
+        // V scale folded into P per group (zero past the split's end, see issue()).
         __half s0 = svs[tk0 * G + g], s1 = svs[(tk0 + 1) * G + g];
         __half s8 = svs[(tk0 + 8) * G + g], s9 = svs[(tk0 + 9) * G + g];
         __half2 sA = __halves2half2(s0, s1), sB = __halves2half2(s8, s9);
@@ -390,11 +401,7 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
             int t = toks[k];
             w[k] = *reinterpret_cast<const uint32_t*>(sv + v_at(t, ch) + inner);
           }
-          if (FMT == 3) {
-            const uint32_t bit = 0x10001000u;
-            mma16816(vf[g], feat2(w[0], w[1], bit, 0u), feat2(e8_par(w[0]), e8_par(w[1]), bit, 0u),
-                     feat2(w[2], w[3], bit, 0u), feat2(e8_par(w[2]), e8_par(w[3]), bit, 0u), b0, b1);
-          }
+          uint32_t c01 = 0, c89 = 0;  // byte 3 of two tokens (qq = 3): their coset bits at bits 12 / 28
 #pragma unroll
           for (int qq = 0; qq < 4; ++qq) {
             // byte qq of two tokens: low nibbles (dims 16qq + gi) as u - 8, high (16qq + 8 + gi) as 16 (u - 8):
@@ -407,6 +414,12 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
             const uint32_t a2 = hsub2u(lop_and_or(x89, 0x000f000fu, 0x64006400u), lo8);
             const uint32_t a3 = hsub2u(lop_and_or(x89, 0x00f000f0u, 0x64006400u), hi8);
             mma16816(o[g * 4 + qq], a0, a1, a2, a3, b0, b1);
+            if (qq == 3) c01 = x01, c89 = x89;
+          }
+          if (FMT == 3) {  // = feat2(w[0], w[1], bit, 0) etc. for the coset features, without the prmt
+            const uint32_t bit = 0x10001000u;
+            mma16816(vf[g], c01 & bit, feat2(e8_par(w[0]), e8_par(w[1]), bit, 0u), c89 & bit,
+                     feat2(e8_par(w[2]), e8_par(w[3]), bit, 0u), b0, b1);
           }
         }
       }
