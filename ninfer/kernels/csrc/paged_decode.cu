@@ -93,6 +93,9 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
       const uint32_t st = wbase_s + (NST == 2 ? (it & 1) : issue_stage) * STAGE;
       const uint8_t* gk = gk_l + (size_t)page * d_ps32;
       const uint8_t* gv = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(gk) + v_minus_k);
+      // the scales first: their address registers are then not the K / V copies' (a register an
+      // in-flight copy still reads cannot be rewritten: ncu showed stalls on exactly that)
+      cp_async16_zfill_if(s_on, st + s_dst, gs_l + (size_t)page * s_ps32, min(max(s_rem, 0), 16));
 #pragma unroll
       for (int i = 0; i < PCS; ++i) {
         const int tok = lane / NCH + i * (32 / NCH);
@@ -100,7 +103,6 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
         cp_async16(st + dst, gk + i * 512);
         cp_async16(st + CHUNK * RB + (VPAD ? v_at(tok, lane % NCH) : dst), gv + i * 512);
       }
-      cp_async16_zfill_if(s_on, st + s_dst, gs_l + (size_t)page * s_ps32, min(max(s_rem, 0), 16));
     }
     s_rem -= NW * CHUNK * SB;
     if (NST != 2) issue_stage = issue_stage + 1 == NST ? 0 : issue_stage + 1;
