@@ -31,7 +31,7 @@ from ninfer.kernels.store_kv import store_kv  # noqa: E402
 
 
 def program(src: str | None) -> CudaProgram:
-    p = CudaProgram("store_kv.cu", ("kv_encode.cuh",), "kv_store")
+    p = CudaProgram("store_kv.cu", ("rtc_compat.cuh", "kv_encode.cuh"), "kv_store")
     if src:
         p.files = {n: (Path(src) / n).read_text() for n in p.files}
         p.source = "".join(p.files.values())

@@ -358,21 +358,41 @@ def test_cuda_path_matches_oracle_with_growing_scores(fmt_name):
             assert torch.isfinite(out).all() and rel < 1e-2, f"{fmt_name} case {seed} splits {splits}: rel err {rel:.3e}"
 
 
-def test_cuda_kernel_compiles_for_sm90(tmp_path, monkeypatch):
-    """The CUDA decode kernel (and its header) builds with nvcc for Hopper in every format and head
-    dim the engine uses, from the files the package ships; no GPU needed. Skips without nvcc."""
+@pytest.mark.parametrize("compiler", ["nvcc", "nvrtc"])
+def test_cuda_kernel_compiles_for_sm90(tmp_path, monkeypatch, compiler):
+    """The CUDA decode kernel (and its headers) builds for Hopper in every format and head dim the
+    engine uses, from the files the package ships, with nvcc and with NVRTC (what a machine without
+    the CUDA toolkit uses: the library torch's CUDA wheels install); no GPU needed. A compiler that
+    is not installed skips (CI installs NVRTC with the test extras)."""
+    from ninfer.kernels import cuda_build, nvrtc
     from ninfer.kernels._common import fmt_code
-    from ninfer.kernels.paged_decode_cuda import _CUDA, _key, _nvcc
+    from ninfer.kernels.paged_decode_cuda import _CUDA, _key
     from ninfer.kvcache.formats import get_format
 
-    if _nvcc() is None:
+    if compiler == "nvcc" and cuda_build.nvcc_path() is None:
         pytest.skip("nvcc not installed")
+    if compiler == "nvrtc":
+        if nvrtc.unavailable():
+            pytest.skip(nvrtc.unavailable())
+        monkeypatch.setattr(cuda_build, "nvcc_path", lambda: None)
+    assert cuda_build.compiler_name().startswith(compiler)
     import torch
     monkeypatch.setenv("NINFER_CACHE_DIR", str(tmp_path))
     for name in ("int8", "rk4v4", "rk4v4-e8"):
-        for d in (128, 256):
+        for d in (64, 128, 256):
             cubin = _CUDA.build(_key(fmt_code(get_format(name)), d, torch.bfloat16), "sm_90")
             assert cubin.is_file() and cubin.stat().st_size > 10_000, (name, d)
+
+
+def test_nvrtc_reports_a_compile_error():
+    """A source NVRTC cannot compile raises with the compiler's own message, not a bare status."""
+    from ninfer.kernels import nvrtc
+
+    if nvrtc.unavailable():
+        pytest.skip(nvrtc.unavailable())
+    files = {"bad.cu": '#include "h.cuh"\nextern "C" __global__ void k() { undeclared_name = 1; }\n', "h.cuh": "#pragma once\n"}
+    with pytest.raises(RuntimeError, match=r"bad\.cu failed to compile for sm_90:(.|\n)*undeclared_name"):
+        nvrtc.compile_cubin(files, "bad.cu", {}, "sm_90")
 
 
 @pytest.mark.cuda

@@ -4,7 +4,7 @@ CPU: kv_encode.cuh -- the per-word rk4v4 / rk4v4-e8 encoders and the code units 
 computes -- is built for the host with g++ (no FMA contraction, IEEE float32) and compared with
 the torch reference encoder (ninfer/kvcache/e8.py) bit for bit on code units from the real
 pipeline and on adversarial ones (exact ties, box edges, values past the top of the box; the
-encoder's domain is z >= -8). The kernel itself is compiled with nvcc for
+encoder's domain is z >= -8). The kernel itself is compiled with nvcc and with NVRTC for
 sm_90. GPU (skipped without one): the CUDA store against the reference on the store test cases,
 both kernels (lane per word below ROWS_MIN_GROUPS 64-groups per launch, thread per group from
 there on: the 2100- and 3000-token cases).
@@ -171,13 +171,20 @@ def test_host_group_pipeline_matches_reference(host_lib, seed):
         assert torch.equal(got, ref), f"{name}: {int((got != ref).sum())} words differ"
 
 
-def test_cuda_store_compiles_for_sm90(tmp_path, monkeypatch):
-    """The store kernel builds with nvcc for Hopper in both formats, bf16 / fp16, int32 / int64 slots."""
+@pytest.mark.parametrize("compiler", ["nvcc", "nvrtc"])
+def test_cuda_store_compiles_for_sm90(tmp_path, monkeypatch, compiler):
+    """The store kernel builds for Hopper in both formats, bf16 / fp16, int32 / int64 slots, with nvcc
+    and with NVRTC (no CUDA toolkit needed); a compiler that is not installed skips."""
+    from ninfer.kernels import cuda_build, nvrtc
     from ninfer.kernels import store_kv_cuda as sc
     from ninfer.kernels._common import FMT_E8, FMT_RK4
 
-    if sc.nvcc_path() is None:
+    if compiler == "nvcc" and cuda_build.nvcc_path() is None:
         pytest.skip("nvcc not installed")
+    if compiler == "nvrtc":
+        if nvrtc.unavailable():
+            pytest.skip(nvrtc.unavailable())
+        monkeypatch.setattr(cuda_build, "nvcc_path", lambda: None)
     monkeypatch.setenv("NINFER_CACHE_DIR", str(tmp_path))
     for code in (FMT_RK4, FMT_E8):
         for xt in (torch.bfloat16, torch.float16):
@@ -208,7 +215,7 @@ def test_cuda_path_reasons(monkeypatch):
 
 
 def test_triton_backend_reports_its_kernel_paths(monkeypatch):
-    """The startup line on a CUDA machine, computed without one (capability and nvcc stubbed)."""
+    """The startup line on a CUDA machine, computed without one (capability and compilers stubbed)."""
     from types import SimpleNamespace
 
     from ninfer.attention.triton_backend import TritonAttentionBackend
@@ -218,11 +225,12 @@ def test_triton_backend_reports_its_kernel_paths(monkeypatch):
 
     monkeypatch.setattr(pdc, "_capability", lambda device: (9, 0))
     dev = torch.device("cuda")
-    for nvcc, fmt, want in (("/usr/bin/nvcc", "rk4v4-e8", "decode=cuda store=cuda prefill=triton"),
-                            ("/usr/bin/nvcc", "int8", "decode=cuda store=triton (format int8 has no CUDA store)"),
-                            (None, "rk4v4-e8", "decode=triton (nvcc not found) store=triton (nvcc not found)")):
-        monkeypatch.setattr(pdc, "_nvcc", lambda nvcc=nvcc: nvcc)
-        monkeypatch.setattr(sc, "nvcc_path", lambda nvcc=nvcc: nvcc)
+    none = "no nvcc, and NVRTC: libnvrtc not found"
+    for why, fmt, want in ((None, "rk4v4-e8", "decode=cuda store=cuda prefill=triton"),
+                           (None, "int8", "decode=cuda store=triton (format int8 has no CUDA store)"),
+                           (none, "rk4v4-e8", f"decode=triton ({none}) store=triton ({none})")):
+        monkeypatch.setattr(pdc, "_compiler", lambda why=why: why)
+        monkeypatch.setattr(sc, "compiler_unavailable", lambda why=why: why)
         pool = SimpleNamespace(fmt=get_format(fmt), device=dev, head_dim=128, num_kv_heads=8, page_size=64)
         assert TritonAttentionBackend(pool).kernel_paths(32, torch.bfloat16).startswith(want)
 
@@ -241,8 +249,8 @@ def test_cuda_store_bit_exact(case):
     from ninfer.kernels import store_kv_cuda as sc
     from tests.test_kernel_store import _run_case
 
-    if sc.nvcc_path() is None:
-        pytest.skip("nvcc not installed")
+    if sc.compiler_unavailable():
+        pytest.skip(sc.compiler_unavailable())
     r = _run_case("gpu", *case, device="cuda", backend="cuda")
     assert r["stored"] > 0
     assert all(v == 0 for v in r["mismatched_bytes"].values()), f"planes differ from the reference: {r}"

@@ -38,7 +38,7 @@ class TritonAttentionBackend(BaseAttentionBackend):
         return self._decode
 
     def kernel_paths(self, num_heads: int, dtype: torch.dtype) -> str:
-        """Which kernels serve decode and store, and why one falls back to Triton (e.g. no nvcc:
+        """Which kernels serve decode and store, and why one falls back to Triton (e.g. neither nvcc nor NVRTC:
         the Triton decode kernel is several times slower on the 4-bit formats)."""
         from ninfer.kernels.paged_decode_cuda import cuda_decode_unsupported
         from ninfer.kernels.store_kv_cuda import cuda_store_unsupported

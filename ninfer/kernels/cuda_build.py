@@ -1,11 +1,12 @@
-"""CUDA C++ kernels compiled at first use: nvcc -> cubin (cached) -> driver API module -> launch.
+"""CUDA C++ kernels compiled at first use: nvcc or NVRTC -> cubin (cached) -> driver API module -> launch.
 
 The fast paths that Triton cannot express well (the 4-bit decode MMA kernel, the lane-per-word
 store) are C++ sources under ``csrc/``, shipped with the package. A program is built once per set
-of ``-D`` defines and GPU architecture with the nvcc found on the machine, cached under
-``~/.cache/ninfer/cuda`` (or ``$NINFER_CACHE_DIR/cuda``) by a hash of its sources, defines and
-architecture, loaded with ``cuModuleLoadData`` and launched with ``cuLaunchKernel`` on torch's
-current stream (so CUDA graphs capture it).
+of ``-D`` defines and GPU architecture, by the nvcc found on the machine or, without one, by NVRTC
+(``nvrtc.py``: the library torch's CUDA wheels install), cached under ``~/.cache/ninfer/cuda`` (or
+``$NINFER_CACHE_DIR/cuda``) by a hash of its sources, defines, architecture and compiler, loaded
+with ``cuModuleLoadData`` and launched with ``cuLaunchKernel`` on torch's current stream (so CUDA
+graphs capture it).
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from ninfer.kernels import nvrtc
+
 CSRC = Path(__file__).parent / "csrc"
 
 
@@ -30,6 +33,19 @@ def nvcc_path() -> str | None:
     if found is None and os.path.exists("/usr/local/cuda/bin/nvcc"):
         found = "/usr/local/cuda/bin/nvcc"
     return found
+
+
+def compiler_unavailable() -> str | None:
+    """None if nvcc or NVRTC can build csrc/ here, else why neither can."""
+    if nvcc_path() is not None:
+        return None
+    why = nvrtc.unavailable()
+    return None if why is None else f"no nvcc, and NVRTC: {why}"
+
+
+def compiler_name() -> str:
+    """The compiler build_defs uses: nvcc when there is one, else NVRTC (with its version)."""
+    return "nvcc" if nvcc_path() is not None else "nvrtc-%d.%d" % nvrtc.version()
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,13 +88,21 @@ class CudaProgram:
         return d
 
     def build_defs(self, defs: dict, arch: str) -> Path:
-        tag = hashlib.sha1((self.source + repr(sorted(defs.items())) + arch).encode()).hexdigest()[:16]
+        why = compiler_unavailable()
+        if why is not None:
+            raise RuntimeError(f"{self.entry} (CUDA): {why}")
+        comp = compiler_name()
+        tag = hashlib.sha1((self.source + repr(sorted(defs.items())) + arch + comp).encode()).hexdigest()[:16]
         out = self.cache_dir() / f"{self.entry}_{tag}.cubin"
         if out.exists():
             return out
+        if comp != "nvcc":
+            cubin = nvrtc.compile_cubin(self.files, self.main, defs, arch)
+            with tempfile.NamedTemporaryFile(dir=out.parent, delete=False) as f:
+                f.write(cubin)
+            os.replace(f.name, out)
+            return out
         nvcc = nvcc_path()
-        if nvcc is None:
-            raise RuntimeError(f"{self.entry} (CUDA): nvcc not found")
         with tempfile.TemporaryDirectory() as tmp:
             for name, text in self.files.items():
                 (Path(tmp) / name).write_text(text)

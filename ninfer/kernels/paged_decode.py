@@ -26,7 +26,7 @@ Formats (``docs/ARCHITECTURE.md`` "4-bit data layout" and "KV pool"):
   dimensions of the word), added once per split.
   The partial outputs stay in the H64 domain; ``decode_reduce`` undoes the rotation once.
 
-Backends: this Triton kernel is the portable path. On NVIDIA GPUs (sm_80+, nvcc present) the
+Backends: this Triton kernel is the portable path. On NVIDIA GPUs (sm_80+, with nvcc or NVRTC) the
 int8 / rk4v4 / rk4v4-e8 formats also have a CUDA C++ split kernel (paged_decode_cuda.py, source in
 csrc/paged_decode.cu), 3-6x faster than the Triton one at 128K (docs/KERNELS.md, docs/BENCHMARKS.md);
 ``backend="auto"`` (the default) picks it wherever it can run and falls back to Triton otherwise.

@@ -3,7 +3,7 @@
 The Triton kernel in paged_decode.py is the portable path. On NVIDIA GPUs (sm_80+) the packed/int8 formats
 also have a CUDA C++ split kernel: mma.sync m16n8k16 with fragments built straight from the
 stored words (no shared-memory re-layout of a converted tile), per-warp cp.async pipelines and
-PTX bit tricks for the 4-bit -> fp16 conversion. It is compiled at first use (cuda_build.py: nvcc,
+PTX bit tricks for the 4-bit -> fp16 conversion. It is compiled at first use (cuda_build.py: nvcc or NVRTC,
 cached cubin, driver API launch on torch's current stream, so CUDA graphs capture it).
 Layout facts the fragments rely on (docs/KERNELS.md has the derivation):
 * score MMA  S^T = K . Q^T : K is the A operand (16 tokens x 16 dims), Q^T the B operand;
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ninfer.kernels.cuda_build import CudaProgram, nvcc_path
+from ninfer.kernels.cuda_build import CudaProgram, compiler_unavailable
 
 from ninfer.kernels._common import FMT_E8, FMT_INT8, FMT_RK4, LOG2E, SM_COUNT as _SM_COUNT, fmt_code
 from ninfer.kvcache.formats import GROUP, get_format
@@ -47,7 +47,7 @@ class _CudaDecode(CudaProgram):
     """The split kernel, one module per (format, head dim, q dtype, cfg) key."""
 
     def __init__(self) -> None:
-        super().__init__("paged_decode.cu", ("decode_ops.cuh",), "nd_decode")
+        super().__init__("paged_decode.cu", ("rtc_compat.cuh", "decode_ops.cuh"), "nd_decode")
 
     @staticmethod
     def defs(key: tuple) -> dict:
@@ -92,9 +92,7 @@ def cuda_decode_unsupported(fmt_name: str, device: torch.device, q_dtype: torch.
         return "page size != 64"
     if q_dtype not in (torch.bfloat16, torch.float16):
         return f"q dtype {q_dtype}"
-    if _nvcc() is None:
-        return "nvcc not found"
-    return None
+    return _compiler()
 
 
 def cuda_path_supported(q: torch.Tensor, kd: torch.Tensor, fmt_name: str) -> str | None:
@@ -102,7 +100,7 @@ def cuda_path_supported(q: torch.Tensor, kd: torch.Tensor, fmt_name: str) -> str
     return cuda_decode_unsupported(fmt_name, q.device, q.dtype, q.shape[2], q.shape[1], kd.shape[1], kd.shape[2])
 
 
-_nvcc = nvcc_path
+_compiler = compiler_unavailable
 
 
 @functools.lru_cache(maxsize=None)

@@ -302,7 +302,7 @@ def _try_cuda(k, v, kd, ks, vd, vs, slot_mapping, code, fmt, page, backend) -> b
         k, v = k.contiguous(), v.contiguous()
     try:
         sc.store_kv_cuda(k, v, kd, ks, vd, vs, slot_mapping, code, float(fmt.scale_divisor), page)
-    except Exception as e:  # a broken nvcc or driver must not stop the engine: Triton writes the same bytes
+    except Exception as e:  # a broken compiler or driver must not stop the engine: Triton writes the same bytes
         if backend == "cuda":
             raise
         sc._STORE.error = f"{type(e).__name__}: {e}"

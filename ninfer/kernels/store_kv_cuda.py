@@ -12,7 +12,7 @@ import math
 import torch
 
 from ninfer.kernels._common import FMT_E8, FMT_RK4, fmt_code
-from ninfer.kernels.cuda_build import CudaProgram, nvcc_path
+from ninfer.kernels.cuda_build import CudaProgram, compiler_unavailable
 from ninfer.kvcache.formats import get_format
 
 THREADS = 128
@@ -22,7 +22,7 @@ THREADS = 128
 # (scripts/store_rows_threshold.py): rows / lanes = 1.37-1.58 (rk4v4-e8) and 1.18-1.24 (rk4v4) up
 # to 256 tokens, 1.01 / 0.98 at 1024 tokens (32768 groups), 0.93 / 0.90 at 2048, 0.67 / 0.62 at 16384.
 ROWS_MIN_GROUPS = 32768
-_STORE = CudaProgram("store_kv.cu", ("kv_encode.cuh",), "kv_store")
+_STORE = CudaProgram("store_kv.cu", ("rtc_compat.cuh", "kv_encode.cuh"), "kv_store")
 _XT = {torch.bfloat16: "__nv_bfloat16", torch.float16: "__half"}
 _ST = {torch.int64: "int64_t", torch.int32: "int32_t"}
 
@@ -45,9 +45,7 @@ def cuda_store_unsupported(fmt_name: str, device: torch.device, x_dtype: torch.d
     divisor = float(fmt.scale_divisor or 0.0)
     if divisor <= 0 or divisor != 2.0 ** round(math.log2(divisor)):
         return f"scale divisor {divisor} is not a power of 2"
-    if nvcc_path() is None:
-        return "nvcc not found"
-    return None
+    return compiler_unavailable()
 
 
 def cuda_store_supported(k: torch.Tensor, fmt_name: str) -> str | None:

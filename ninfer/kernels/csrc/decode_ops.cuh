@@ -2,7 +2,7 @@
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
-#include <stdint.h>
+#include "rtc_compat.cuh"
 
 namespace nd {
 

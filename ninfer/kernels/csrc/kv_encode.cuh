@@ -4,9 +4,10 @@
 // round-to-nearest float32 operation in the reference's order: no contraction (explicit _rn
 // intrinsics on the device, -ffp-contract=off on the host), rint = round half to even.
 #pragma once
-#include <stdint.h>
-#include <math.h>
-#include <string.h>
+#include "rtc_compat.cuh"
+#ifndef __CUDACC_RTC__
+#include <string.h>  // memcpy, host build only
+#endif
 
 #ifdef __CUDACC__
 #define KV_HD __host__ __device__ __forceinline__

@@ -14,7 +14,6 @@
 // Compile-time: KV_FMT (2 = rk4v4, 3 = rk4v4-e8), KV_XT (input element type), KV_ST (slot type).
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
-#include <stdint.h>
 #include "kv_encode.cuh"
 
 #ifndef KV_FMT
