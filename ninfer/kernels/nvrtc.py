@@ -48,6 +48,7 @@ def _lib():
     return None, "libnvrtc not found (" + "; ".join(errors[-2:]) + ")"
 
 
+@functools.lru_cache(maxsize=None)
 def cuda_include_dir() -> Path | None:
     """The CUDA headers triton ships (cuda_fp16.h, cuda_bf16.h, ...), if triton is installed."""
     try:

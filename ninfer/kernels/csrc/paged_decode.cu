@@ -93,8 +93,8 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
       const uint32_t st = wbase_s + (NST == 2 ? (it & 1) : issue_stage) * STAGE;
       const uint8_t* gk = gk_l + (size_t)page * d_ps32;
       const uint8_t* gv = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(gk) + v_minus_k);
-      // the scales first: their address registers are then not the K / V copies' (a register an
-      // in-flight copy still reads cannot be rewritten: ncu showed stalls on exactly that)
+      // the scales first: then no register the K / V copies still read is rewritten right after
+      // them (a write waits until the copy has read it: ncu showed stalls on exactly that)
       cp_async16_zfill_if(s_on, st + s_dst, gs_l + (size_t)page * s_ps32, min(max(s_rem, 0), 16));
 #pragma unroll
       for (int i = 0; i < PCS; ++i) {
