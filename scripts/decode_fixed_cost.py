@@ -30,7 +30,7 @@ def main() -> int:
     from ninfer.kernels._common import fmt_code
     from ninfer.kernels.decode_reduce import decode_reduce
     from ninfer.kernels.paged_decode import paged_decode
-    from ninfer.kernels.paged_decode_cuda import CUDA_DEFAULT_CFG, _paged_decode_cuda_split, cuda_num_splits
+    from ninfer.kernels.paged_decode_cuda import _paged_decode_cuda_split, cuda_num_splits, default_cfg
     from ninfer.kvcache.formats import get_format
 
     l2 = int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20))
@@ -45,7 +45,7 @@ def main() -> int:
                 per_set = a.batch * ctx * hkv * fmt.bytes_per_token_head(d, torch.bfloat16)
                 case = kb.DecodeCase(fmt_name, hq, hkv, d, ctx, a.batch, kb.sets_for(per_set, l2))
                 code = fmt_code(fmt)
-                cfg = CUDA_DEFAULT_CFG[code]
+                cfg = default_cfg(code, d)
                 splits = cuda_num_splits(a.batch, hkv, case.tables[0].shape[1], case.q.device, fmt_name, d,
                                          case.q.dtype, cfg)
                 mids = [(torch.empty(a.batch * hq, splits, d, device="cuda"),

@@ -59,7 +59,7 @@ def store_rows(fmts, t: int, hkv: int, d: int) -> list[dict]:
 
 def decode_rows(fmts, ctx: int, calls: int | None, geom=(32, 8, 128), variants=(None,)) -> list[dict]:
     from ninfer.bench.kernels import DecodeCase
-    from ninfer.kernels.paged_decode import CUDA_DEFAULT_CFG, cuda_kernel_info, paged_decode, paged_decode_ref
+    from ninfer.kernels.paged_decode import cuda_kernel_info, default_cfg, paged_decode, paged_decode_ref
     from ninfer.kernels._common import fmt_code
     from ninfer.kvcache.formats import get_format
     rows = []
@@ -68,7 +68,7 @@ def decode_rows(fmts, ctx: int, calls: int | None, geom=(32, 8, 128), variants=(
         c = DecodeCase(name, hq, hkv, d, ctx, 1, 1)
         ref = None
         for var in variants:
-            cfg = None if var is None else (*CUDA_DEFAULT_CFG[fmt_code(get_format(name))][:3], var)
+            cfg = None if var is None else (*default_cfg(fmt_code(get_format(name)), d)[:3], var)
             if cfg is not None and name == "int8":
                 continue  # the control runs its default only
 
@@ -99,7 +99,7 @@ def prebuild(fmts, dims, variants, programs=None) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from ninfer.kernels._common import fmt_code
-    from ninfer.kernels.paged_decode_cuda import _CUDA, CUDA_DEFAULT_CFG, _key
+    from ninfer.kernels.paged_decode_cuda import _CUDA, _key, default_cfg
     from ninfer.kvcache.formats import get_format
     programs = list(programs or [_CUDA])
     major, minor = torch.cuda.get_device_capability()
@@ -108,7 +108,7 @@ def prebuild(fmts, dims, variants, programs=None) -> None:
         code = fmt_code(get_format(name))
         for d in dims:
             for var in variants:
-                cfg = CUDA_DEFAULT_CFG[code] if var is None else (*CUDA_DEFAULT_CFG[code][:3], var)
+                cfg = default_cfg(code, d) if var is None else (*default_cfg(code, d)[:3], var)
                 keys.add(_key(code, d, torch.bfloat16, cfg))
     jobs = [(prog, key) for prog in programs for key in sorted(keys)]
     with ThreadPoolExecutor(16) as ex:

@@ -5,7 +5,7 @@ disassembles it, and the innermost loop that contains the MMAs is counted by opc
     python3 scripts/decode_sass.py                       # int8 / rk4v4 / rk4v4-e8 at D 128 and 256
     python3 scripts/decode_sass.py --src old.cu --fmt rk4v4-e8 --d 128
 
-Instruction counts are per warp per pipeline chunk (16 tokens for int8, 32 for the 4-bit formats).
+Instruction counts are per warp per pipeline chunk (its size is in the printed cfg, the second field).
 """
 from __future__ import annotations
 

@@ -384,6 +384,24 @@ def test_cuda_kernel_compiles_for_sm90(tmp_path, monkeypatch, compiler):
             assert cubin.is_file() and cubin.stat().st_size > 10_000, (name, d)
 
 
+def test_default_configs_fit_in_shared_memory():
+    """Every format and head dim's default configuration fits its blocks per SM in an H100/H200 SM's
+    shared memory (a configuration that does not fails only at launch, on a GPU)."""
+    import torch
+    from ninfer.kernels._common import fmt_code
+    from ninfer.kernels.paged_decode_cuda import _cuda_smem_bytes, _key
+    from ninfer.kvcache.formats import get_format
+
+    per_block_max, per_sm = 227 * 1024, 228 * 1024  # sm_90 opt-in limit; 1 KiB of each block is reserved
+    for name in ("int8", "rk4v4", "rk4v4-e8"):
+        for d in (128, 256):
+            key = _key(fmt_code(get_format(name)), d, torch.bfloat16)
+            nw, minb, g = key[3], key[6], d // 64
+            static = 8 * d * 4 + 2 * nw * 8 * 4 + 8 * g * 4 + 8 * g * 16 * 2  # q_s, m_s + l_s, c_s, wf_s
+            total = _cuda_smem_bytes(key) + static
+            assert total <= per_block_max and minb * (total + 1024) <= per_sm, (name, d, key, total)
+
+
 def test_nvrtc_reports_a_compile_error():
     """A source NVRTC cannot compile raises with the compiler's own message, not a bare status."""
     from ninfer.kernels import nvrtc

@@ -51,7 +51,7 @@ from ninfer.kernels.hadamard import rot_entry
 from ninfer.kvcache.formats import GROUP, get_format
 
 from ninfer.kernels._common import FMT_E8, FMT_INT8, FMT_PLAIN, FMT_RK4, LOG2E, SM_COUNT as _SM_COUNT, fmt_code  # noqa: F401
-from ninfer.kernels.paged_decode_cuda import (_CUDA, _CUDA_FMT, _CUDA_SRC, CUDA_DEFAULT_CFG,  # noqa: F401
+from ninfer.kernels.paged_decode_cuda import (_CUDA, _CUDA_FMT, _CUDA_SRC, default_cfg,  # noqa: F401
                                               _paged_decode_cuda_split, cuda_kernel_info, cuda_num_splits,
                                               cuda_path_supported)
 
@@ -391,7 +391,7 @@ def paged_decode(q: torch.Tensor, k_planes, v_planes, block_tables: torch.Tensor
         elif backend == "cuda":
             raise ValueError(f"paged_decode: CUDA path unavailable: {why or _CUDA.error}")
     if use_cuda:
-        cfg = cuda_cfg or CUDA_DEFAULT_CFG[code]
+        cfg = cuda_cfg or default_cfg(code, d)
         try:
             splits = int(num_splits) if num_splits is not None else cuda_num_splits(
                 bsz, hkv, max_pages, q.device, fmt.name, d, q.dtype, cfg)
