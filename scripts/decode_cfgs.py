@@ -5,9 +5,8 @@
 A configuration is (warps, tokens per chunk, pipeline stages, min blocks per SM); "dflt" is the
 default for the format and head dim (``default_cfg``). Per (format, geometry): one pool of page
 sets at least 4x the L2 size (every call reads from HBM, as in the kernel bench), each
-configuration checked against the float64 oracle,
-then timed as CUDA-graph replays in rounds of alternating order; the table gives medians and the
-ratio to the first configuration.
+configuration checked against the float64 oracle, then timed as CUDA-graph replays in rounds of
+alternating order; the table gives medians and the ratio to the first configuration.
 """
 from __future__ import annotations
 
