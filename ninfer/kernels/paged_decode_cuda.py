@@ -30,22 +30,22 @@ from ninfer.kvcache.formats import GROUP, get_format
 
 
 _CUDA_FMT = {FMT_INT8: 1, FMT_RK4: 2, FMT_E8: 3}
-# (NW warps, CHUNK tokens per pipeline stage, NST stages, MINB) per format kind. MINB = blocks per SM
-# the registers must allow (ptxas's cap; 2 -> 128 registers): with 32-token chunks the 4-bit kernels
-# at D <= 128 want 166 registers uncapped and run 1 block per SM, 4-6% slower than capped at 2 blocks
-# per SM with no spill in the loop (H200, docs/KERNELS.md). D = 256 cannot fit two blocks and always
-# uses 1.
-CUDA_DEFAULT_CFG = {FMT_INT8: (8, 16, 3, 1), FMT_RK4: (8, 32, 2, 2), FMT_E8: (8, 32, 2, 2)}
-# Per head dim where another configuration measured faster (H200, docs/BENCHMARKS.md "Decode: the
-# configurations per head dim"). rk4v4-e8 at D128: 64-token chunks at one block of 8 warps per SM
-# (183 registers), 4-7% faster than the capped 32-token default; at D256 such stages do not fit in
-# shared memory. int8, the control the 4-bit kernels are compared with, gets its own best too:
-# 32-token chunks at D128, two stages at D256 (1-2% faster).
-CUDA_HEAD_DIM_CFG = {(FMT_E8, 128): (8, 64, 2, 1), (FMT_INT8, 128): (8, 32, 2, 1), (FMT_INT8, 256): (8, 16, 2, 1)}
+# (NW warps, CHUNK tokens per pipeline stage, NST stages, MINB) per format and head dim, the fastest
+# measured on the H200 (docs/BENCHMARKS.md "Decode: the configurations per head dim"; head dims below
+# 128 use the 128 entry). MINB = blocks per SM the registers must allow (ptxas's cap; 2 -> 128
+# registers). rk4v4 at D128 runs capped at 2 blocks per SM: uncapped (166 registers, 1 block) was
+# 4-6% slower. rk4v4-e8 at D128 runs 64-token chunks at one block of 8 warps (183 registers), 4-7%
+# faster than capped 32-token chunks; at D256 such stages do not fit in shared memory. int8, the
+# control the 4-bit kernels are compared with, was searched the same way. D256 fits one block.
+CUDA_DEFAULT_CFG = {
+    (FMT_INT8, 128): (8, 32, 2, 1), (FMT_INT8, 256): (8, 16, 2, 1),
+    (FMT_RK4, 128): (8, 32, 2, 2), (FMT_RK4, 256): (8, 32, 2, 1),
+    (FMT_E8, 128): (8, 64, 2, 1), (FMT_E8, 256): (8, 32, 2, 1),
+}
 
 
 def default_cfg(code: int, head_dim: int) -> tuple:
-    return CUDA_HEAD_DIM_CFG.get((code, head_dim), CUDA_DEFAULT_CFG[code])
+    return CUDA_DEFAULT_CFG[(code, 128 if head_dim <= 128 else 256)]
 
 
 def _key(code: int, head_dim: int, q_dtype, cfg=None) -> tuple:
