@@ -4,7 +4,7 @@ tokens, 8 KV heads, D128, whole pages; each variant's bytes compared with the Tr
 then timed as CUDA-graph replays over distinct inputs (bench_store_prefill.graph_store_us). Run
 from the repository root on a CUDA machine:
 
-    PYTHONPATH=$PWD python3 scripts/store_rows_regcap.py
+    PYTHONPATH=$PWD python3 scripts/store_rows_regcap.py [MINB ...]   (default 1 4 6 8)
 """
 import os
 import sys
@@ -22,7 +22,7 @@ for name, code in (("rk4v4-e8", FMT_E8), ("rk4v4", FMT_RK4)):
     ref = newp()
     store_kv(k, v, ref, slots, name, backend="triton")
     refb = torch.cat([p.view(torch.uint8).flatten() for p in ref.values()])
-    for minb in (1, 4, 6, 8):
+    for minb in [int(x) for x in sys.argv[1:]] or (1, 4, 6, 8):
         variant = {"KV_ROWS_MINB": minb}
         _m, _fn, _s, occ, regs = sc._STORE.load({**sc.defs(code, k.dtype, slots.dtype), **variant}, k.device, 0,
                                                 sc.THREADS, "kv_store_rows")

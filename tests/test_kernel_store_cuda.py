@@ -1,7 +1,8 @@
 """CUDA store (csrc/store_kv.cu + csrc/kv_encode.cuh) without a GPU, and with one.
 
-CPU: kv_encode.cuh -- the per-word rk4v4 / rk4v4-e8 encoders and the code units the kernel
-computes -- is built for the host with g++ (no FMA contraction, IEEE float32) and compared with
+CPU: kv_encode.cuh -- the per-word rk4v4 / rk4v4-e8 encoders, rk4v4-e8's fp16-pair search (its
+pairs emulated) and the code units the kernel computes -- is built for the host with g++ (no FMA
+contraction, IEEE float32) and compared with
 the torch reference encoder (ninfer/kvcache/e8.py) bit for bit on code units from the real
 pipeline and on adversarial ones (exact ties, box edges, values past the top of the box; the
 encoder's domain is z >= -8). The kernel itself is compiled with nvcc and with NVRTC for
@@ -47,14 +48,20 @@ void rotate_groups(const float* x, int n, float* out) {
 void encode_groups(const float* x, const float* s, int n, int e8, uint32_t* out) {
   for (int i = 0; i < n; ++i) {
     float a[64];
+    uint32_t w[8];
     for (int c = 0; c < 64; ++c) a[c] = x[64 * i + c];
     kv::rotate_group(a);
-    kv::code_units_group(a, s[i] > 0.f ? 1.0f / s[i] : 0.0f);
-    for (int w = 0; w < 8; ++w) {
-      float z[8];
-      for (int j = 0; j < 8; ++j) z[j] = a[8 * j + w];
-      out[8 * i + w] = e8 ? kv::encode_e8_word(z) : kv::encode_scalar4_word(z);
-    }
+    if (e8) kv::encode_group<3>(a, s[i] > 0.f ? 1.0f / s[i] : 0.0f, w);
+    else kv::encode_group<2>(a, s[i] > 0.f ? 1.0f / s[i] : 0.0f, w);
+    for (int k = 0; k < 8; ++k) out[8 * i + k] = w[k];
+  }
+}
+// kv_store_rows' rk4v4-e8 search: blocks 2i and 2i+1 as one fp16 pair
+void enc_pairs(const float* z, int n, uint32_t* out) {
+  for (int i = 0; i < n; i += 2) {
+    kv::h2 b[8];
+    for (int j = 0; j < 8; ++j) b[j] = kv::h2_pair(z[8 * i + j], z[8 * i + 8 + j]);
+    kv::encode_e8_pair(b, out[i], out[i + 1]);
   }
 }
 }
@@ -78,6 +85,7 @@ def host_lib(tmp_path_factory):
     so.enc_words.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     so.rotate_groups.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     so.encode_groups.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    so.enc_pairs.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     return so
 
 
@@ -120,6 +128,25 @@ def test_host_encoder_matches_reference(host_lib, seed, fmt):
     got = _host_words(host_lib, z, fmt == "rk4v4-e8")
     bad = (got != ref).any(dim=1)
     assert not bad.any(), f"{int(bad.sum())} of {len(z)} groups differ, first: {z[bad][0].tolist()}"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_host_pair_encoder_matches_reference(host_lib, seed):
+    """The fp16-pair search (two words per instruction, kv_store_rows) on code units on the 2^-8
+    grid in [-8, 8] (what rk4v4-e8 encodes): bit for bit the reference encoder's words, ties and box
+    edges included. Every rounding of the pairs is emulated on the host, so a wrong fp16 bit trick,
+    mask or word order fails here."""
+    from ninfer.kvcache.e8 import GRID, encode_e8, to_blocks
+
+    z = (_code_units(seed, 4096) / GRID).round().clamp(-8 / GRID, 8 / GRID) * GRID
+    ref = encode_e8(z).view(torch.int32)
+    blocks = np.ascontiguousarray(to_blocks(z).reshape(-1, 8).numpy())
+    out = np.zeros(blocks.shape[0], dtype=np.uint32)
+    host_lib.enc_pairs(blocks.ctypes.data, blocks.shape[0], out.ctypes.data)
+    got = torch.from_numpy(out.view(np.int32)).reshape(z.shape[0], 8)
+    bad = (got != ref).any(dim=1)
+    assert not bad.any(), f"{int(bad.sum())} of {len(z)} groups differ, first: {z[bad][0].tolist()}"
+    assert torch.equal(got, _host_words(host_lib, z, True))  # and the float32 search agrees
 
 
 def test_host_encoder_detects_a_wrong_tie_rule(host_lib):

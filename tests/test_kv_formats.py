@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ninfer.kvcache import e8
-from ninfer.kvcache.formats import FORMAT_NAMES, KVFormat, Plane, get_format, group_scales
+from ninfer.kvcache.formats import FORMAT_NAMES, KVFormat, Plane, code_units, get_format, group_scales
 from ninfer.kvcache.hadamard import h64, rotate, rotation_matrix, sign_pattern
 
 
@@ -124,9 +124,11 @@ def test_rk4v4_e8_quality_and_exact_points() -> None:
     y = f.decode(data, s, dtype=torch.float64)
     snr = _snr_db(x, y)
     assert snr >= 20.8 and snr - _snr_db(x, scalar.decode(*scalar.encode(x), dtype=torch.float64)) >= 0.6, snr
-    # rotated-domain codes are exactly the nearest E8 points of z = Hx / s
+    # rotated-domain codes are exactly the nearest E8 points of z = Hx / s rounded to the 2^-8 grid
     z = rotate(x).float().reshape(1024, 4, 64) / s.float()[..., None]
-    n, c = e8.e8_nearest(e8.to_blocks(z.reshape(1024, 256)))
+    zg = code_units(rotate(x).float(), s.float()[..., None], e8.GRID).reshape(1024, 4, 64)
+    assert float((zg - z).abs().max()) <= 2.0**-9 + 1e-5 and bool((zg * 256 == (zg * 256).round()).all())
+    n, c = e8.e8_nearest(e8.to_blocks(zg.reshape(1024, 256)))
     assert torch.equal(e8.encode_e8(e8.from_blocks(e8.e8_point(n, c))), data)
     # decode(rotated=False) is H applied to decode(rotated=True); bf16 output works
     yr = f.decode(data, s, rotated=True, dtype=torch.float64)
@@ -179,7 +181,6 @@ def test_scale_uses_represented_fp16() -> None:
 def test_4bit_scale_rounds_up_so_code_units_stay_in_the_box() -> None:
     """The 4-bit rule: s is the smallest fp16 >= absmax / 8, so every code unit lies in [-8, 8],
     also where s is an fp16 subnormal; nearest rounding leaves the box there (the check can fail)."""
-    from ninfer.kvcache.formats import code_units
 
     x = _gauss(512, 64, 8) * torch.exp2(torch.randint(-40, 6, (512, 1), generator=torch.Generator().manual_seed(8)))
     raw = x.abs().amax(-1, keepdim=True) / 8.0
@@ -187,6 +188,7 @@ def test_4bit_scale_rounds_up_so_code_units_stay_in_the_box() -> None:
     below = (s16.view(torch.int16) - 1).view(torch.float16).float()
     assert bool((s16.float() >= raw).all()) and bool((below < raw).all())
     assert float(code_units(x, s).abs().max()) <= 8.0
+    assert float(code_units(x, s, e8.GRID).abs().max()) <= 8.0  # the rk4v4-e8 grid: also in the box
     _, s_rn = group_scales(x, 8.0)
     assert float(code_units(x, s_rn).abs().max()) > 8.5  # subnormal scales rounded to nearest
 

@@ -21,7 +21,8 @@ Bit-exactness with the torch reference (``ninfer/kvcache/formats.py`` + ``e8.py`
   one), the parity fix, the sequential sum and the nibble packing are elementwise per word;
 * everything after the rotation is the reference's exact op sequence: float32 absmax, IEEE
   division by C (``div_rn``, not Triton's approximate ``/``), the fp16 scale (int8: nearest
-  even, underflow -> 2^-24; 4-bit: rounded up), ``z = x * RN(1/s)``, ``rint`` via the 1.5*2^23
+  even, underflow -> 2^-24; 4-bit: rounded up), ``z = x * RN(1/s)`` (rk4v4-e8: the exact product
+  rounded to the 2^-8 grid, in float64), ``rint`` via the 1.5*2^23
   trick (round half to even), the E8 search with the same keys, tie rules and the sequential
   j = 0..7 sum.
 * Where the reference raises (NaN/Inf, a scale that overflows fp16) a kernel cannot (no host
@@ -148,7 +149,10 @@ def _store_group(x_ptr, sxt, sxh, data_ptr, scale_ptr, rows, tok, valid, h, g, C
     s = s16.to(tl.float32)
     tl.store(scale_ptr + rows * G + g, s16, mask=valid)
     y = tl.where(s > 0.0, tl.math.div_rn(tl.full([BT], 1.0, tl.float32), tl.where(s > 0.0, s, 1.0)), 0.0)
-    z = r * y[:, None]  # code units: x * RN(1/s), as formats.code_units
+    if FMT == 3:  # on the 2^-8 grid (e8.GRID): the exact product, rounded once (float64 holds it)
+        z = (((r.to(tl.float64) * y.to(tl.float64)[:, None]) + 26388279066624.0) - 26388279066624.0).to(tl.float32)
+    else:
+        z = r * y[:, None]  # code units: x * RN(1/s), as formats.code_units
     if FMT == 1:
         q = tl.minimum(tl.maximum(_rint(z), -127.0), 127.0)
         tl.store(data_ptr + rows[:, None] * D + g * 64 + d[None, :], q.to(tl.int8), mask=m)

@@ -1,8 +1,8 @@
 """E8 lattice codec and 4-bit nibble layout: the bit-exact specification GPU kernels follow.
 
 Everything here works on *code units* z = x * RN(1/s) (x rotated, s the represented fp16 scale
-of the 64-group, see ``formats.py``), vectorised over any leading shape; no Python loop touches
-tokens.
+of the 64-group, see ``formats.py``; for rk4v4-e8 rounded to the grid ``GRID``), vectorised over
+any leading shape; no Python loop touches tokens.
 
 Lattice and box (DESIGN 2.1 step 3)
 -----------------------------------
@@ -53,6 +53,12 @@ import torch
 
 GROUP = 64
 NMIN, NMAX = -8, 7
+# rk4v4-e8 code units are x * y rounded once to this grid (formats.code_units). In [-8, 8] every
+# grid value is an fp16, and every quantity of the search (r, a, keys, S, the coset decision) is
+# exact in fp16 too, so a kernel searches two words per half2 instruction and still finds the
+# exact nearest point of the rounded z. The rounding moves z by at most 2^-9 (a lattice point is
+# ~0.3 away on average); measured SNR change: docs/BENCHMARKS.md "Store: the search in half2".
+GRID = 2.0 ** -8
 
 
 # ----------------------------------------------------------------------------- layout

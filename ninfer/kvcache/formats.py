@@ -21,7 +21,8 @@ round up (the smallest fp16 >= absmax / C, so never 0 for a nonzero group): then
 lies in [-8, 8] (|x| <= C s, and x * RN(1/s) cannot round past 8), the domain the CUDA E8
 encoder is written for, even where s is an fp16 subnormal with few significant bits. An all-zero
 group has s = 0 and codes 0, so it decodes exactly to 0. Code units are ``z = x * RN(1 / s)``
-with the *represented* fp16 s (float32 IEEE ops; within 1.5 ulp of x / s).
+with the *represented* fp16 s (float32 IEEE ops; within 1.5 ulp of x / s); rk4v4-e8 rounds
+the exact product to the 2^-8 grid instead (``e8.GRID``: exact fp16 values, see there).
 NaN/Inf input, or a group whose scale would overflow fp16, raises ValueError.
 
 Scale constant C (s = absmax/C), measured with ``ninfer bench codec --sweep-c`` (N(0,1) after
@@ -95,12 +96,17 @@ def group_scales(x: torch.Tensor, divisor: float, round_up: bool = False) -> tup
     return s16, s16.to(torch.float32)[..., None]
 
 
-def code_units(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+def code_units(x: torch.Tensor, s: torch.Tensor, grid: float | None = None) -> torch.Tensor:
     """z = x * y per group, y = RN(1 / s) (0 where s == 0, where x is all 0); x float32 [..., D],
-    s [..., G, 1] -> [..., D]. A multiply, not a division, so a kernel spends one op per value."""
+    s [..., G, 1] -> [..., D]. A multiply, not a division, so a kernel spends one op per value.
+    grid: round the exact product x * y to this power of 2 instead (once, half to even): in float64,
+    where the product of two float32 is exact (a kernel's fma(x, y, 1.5 * 2^k) - 1.5 * 2^k)."""
     g = x.reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
     y = torch.where(s > 0, 1.0 / torch.where(s > 0, s, 1.0), 0.0)
-    return (g * y).reshape(x.shape)
+    if grid is None:
+        return (g * y).reshape(x.shape)
+    z = torch.round(g.double() * y.double() / grid) * grid
+    return z.to(torch.float32).reshape(x.shape)
 
 
 @dataclass(frozen=True)
@@ -170,7 +176,7 @@ class KVFormat:
             return x.to(self.storage), None
         xr = rotate(x).to(torch.float32) if self.rotated else x.to(torch.float32)
         s16, s = group_scales(xr, float(self.scale_divisor), round_up=self.packed)
-        z = code_units(xr, s)
+        z = code_units(xr, s, _e8.GRID if self.e8_lattice else None)
         if self.e8_lattice:
             return _e8.encode_e8(z), s16
         if self.packed:

@@ -9,7 +9,8 @@
 //
 // kv_store_rows, for long chunks: one thread owns a whole 64-group (16-byte loads, the butterfly
 // and every sign in registers at compile-time indices, the per-group work paid once per 64
-// coordinates instead of once per 8); kv_store (lane per word) keeps a decode step's latency low.
+// coordinates instead of once per 8, rk4v4-e8's search on fp16 pairs: kv::encode_group);
+// kv_store (lane per word) keeps a decode step's latency low.
 //
 // Compile-time: KV_FMT (2 = rk4v4, 3 = rk4v4-e8), KV_XT (input element type), KV_ST (slot type).
 #include <cuda_fp16.h>
@@ -112,7 +113,7 @@ extern "C" __global__ void __launch_bounds__(128) kv_store(
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const float sign = ((j & 1) ? s_odd : s_even) * ((j & 6) == 6 ? -1.f : 1.f);
-    z[j] = kv::fmul(a[j], sign > 0.f ? yp : yn);
+    z[j] = KV_FMT == 3 ? kv::grid_unit(a[j], sign > 0.f ? yp : yn) : kv::fmul(a[j], sign > 0.f ? yp : yn);
   }
   const uint32_t word = encode_word(z);
   const int64_t slot = (int64_t)slots[t];
@@ -150,15 +151,8 @@ extern "C" __global__ void __launch_bounds__(128, KV_ROWS_MINB) kv_store_rows(
   for (int i = 0; i < 64; ++i) amax = fmaxf(amax, fabsf(a[i]));
   float s, y;
   const __half s16 = group_scale(amax * 0.125f, inv_c, s, y);
-  kv::code_units_group(a, y);
   uint32_t words[8];
-#pragma unroll
-  for (int w = 0; w < 8; ++w) {
-    float z[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) z[j] = a[8 * j + w];
-    words[w] = encode_word(z);
-  }
+  kv::encode_group<KV_FMT>(a, y, words);
   const int64_t slot = (int64_t)slots[t];
   if (slot < 0) return;
   const int64_t page = slot >> page_log2, off = slot & ((1 << page_log2) - 1);
