@@ -48,12 +48,13 @@ def main() -> int:
     p.add_argument("--old", required=True, help="directory with the old paged_decode.cu and decode_ops.cuh")
     p.add_argument("--new", default=None, help="the same for the new one (default: the package's csrc/)")
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--cases", default="32768:1,131072:1,131072:8", help="context:batch pairs")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     progs = {"old": program_from(Path(a.old)), "new": program_from(Path(a.new)) if a.new else pdc._CUDA}
     prebuild(("int8", "rk4v4", "rk4v4-e8"), (128, 256), (None,), progs.values())
     cases = [(f, g, ctx, b) for g in ((32, 8, 128), (24, 4, 256)) for f in ("int8", "rk4v4", "rk4v4-e8")
-             for ctx, b in ((32768, 1), (131072, 1), (131072, 8))]
+             for ctx, b in (tuple(int(x) for x in cb.split(":")) for cb in a.cases.split(","))]
     rows = []
     for fmt, (hq, hkv, d), ctx, bsz in cases:
         c = DecodeCase(fmt, hq, hkv, d, ctx, bsz, 1)
