@@ -245,12 +245,15 @@ KV_HD void encode_e8_pair(const h2 (&z)[8], uint32_t& wa, uint32_t& wb) {
   // nibbles j, j+1 (FMA pipe, not shifts and masks); then bytes 0 / 2 of the four sums are the words
   h2 by[4];
 #pragma unroll
-  for (int j = 0; j < 8; j += 2) by[j / 2] = h2_fma(f[j + 1], bits_h2(0x4C004C00u), h2_add(f[j], bits_h2(0x64886488u)));
-  const uint32_t b01 = prmt(h2_bits(by[0]), h2_bits(by[1]), 0x6240u), b23 = prmt(h2_bits(by[2]), h2_bits(by[3]), 0x6240u);
+  for (int j = 0; j < 8; j += 2)  // 16 f_j+1 + (f_j + 1160)
+    by[j / 2] = h2_fma(f[j + 1], bits_h2(0x4C004C00u), h2_add(f[j], bits_h2(0x64886488u)));
+  const uint32_t b01 = prmt(h2_bits(by[0]), h2_bits(by[1]), 0x6240u);  // nibbles 0-3 of A, of B
+  const uint32_t b23 = prmt(h2_bits(by[2]), h2_bits(by[3]), 0x6240u);  // nibbles 4-7
   const uint32_t wA = prmt(b01, b23, 0x5410u), wB = prmt(b01, b23, 0x7632u);
-  // each word's parity at bit 0 / 16: x 0x1111 sums the four nibbles' low bits into bit 12 / 28
-  const uint32_t pw = ((wA & 0x11111111u) * 0x11111111u) >> 28, pv = ((wB & 0x11111111u) * 0x11111111u) >> 28;
-  const uint32_t p0 = (pw & 1u) | ((pv & 1u) << 16);
+  // parities at bit 0 (word A) / 16 (B): x 0x11111111 sums a word's 8 nibble low bits into bits
+  // 28..31; x 0x1111 sums the 4 bits of m in each half into bit 12 / 28
+  const uint32_t pa = ((wA & 0x11111111u) * 0x11111111u) >> 28, pb = ((wB & 0x11111111u) * 0x11111111u) >> 28;
+  const uint32_t p0 = (pa & 1u) | ((pb & 1u) << 16);
   const uint32_t p1 = p0 ^ (((((ml ^ mh) & 0x11111111u) * 0x1111u) >> 12) & 0x00010001u);
   const h2 P0 = bits_h2(h2_bits(h2_fma(bits_h2(0xC000C000u), K0, bits_h2(0x3C003C00u))) & (p0 * 0xFFFFu));
   const h2 P1 = bits_h2(h2_bits(h2_add(V, V)) & (p1 * 0xFFFFu));  // 1 - 2 (0.5 - V) = 2 V
