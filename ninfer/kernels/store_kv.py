@@ -149,7 +149,7 @@ def _store_group(x_ptr, sxt, sxh, data_ptr, scale_ptr, rows, tok, valid, h, g, C
     s = s16.to(tl.float32)
     tl.store(scale_ptr + rows * G + g, s16, mask=valid)
     y = tl.where(s > 0.0, tl.math.div_rn(tl.full([BT], 1.0, tl.float32), tl.where(s > 0.0, s, 1.0)), 0.0)
-    if FMT == 3:  # on the 2^-8 grid (e8.GRID): the exact product, rounded once (float64 holds it)
+    if FMT == 3:  # on the 2^-8 grid (e8.GRID): the exact product (float64 holds it) rounded once at 1.5 * 2^44
         z = (((r.to(tl.float64) * y.to(tl.float64)[:, None]) + 26388279066624.0) - 26388279066624.0).to(tl.float32)
     else:
         z = r * y[:, None]  # code units: x * RN(1/s), as formats.code_units
