@@ -7,7 +7,9 @@
 Both sources are built with the same defines and launched through the same wrapper (the kernel's
 signature must match). Per case (format, geometry, context, batch; random valid pages), each
 kernel is checked against the float64 oracle, then timed as CUDA-graph replays in ABBA rounds
-(the card's speed drifts over minutes); the table gives medians and new / old.
+(the card's speed drifts over minutes); the table gives medians and new / old. Like the kernel
+bench, the calls of a replay rotate over page sets that together exceed the L2 four times, so no
+call finds the previous one's pages there (``--sets 1`` was this script's timing until stop 20).
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from decode_probe import prebuild  # noqa: E402
-from ninfer.bench.kernels import DecodeCase, time_graph  # noqa: E402
+from ninfer.bench.kernels import DecodeCase, sets_for, time_graph  # noqa: E402
+from ninfer.kvcache.formats import get_format  # noqa: E402
 from ninfer.kernels import cuda_build  # noqa: E402
 from ninfer.kernels import paged_decode as pd  # noqa: E402
 from ninfer.kernels import paged_decode_cuda as pdc  # noqa: E402
@@ -49,21 +52,32 @@ def main() -> int:
     p.add_argument("--new", default=None, help="the same for the new one (default: the package's csrc/)")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--cases", default="32768:1,131072:1,131072:8", help="context:batch pairs")
+    p.add_argument("--sets", type=int, default=0,
+                   help="page sets the replays rotate over (0: as the kernel bench, enough to defeat the L2)")
+    p.add_argument("--old-vpad", action="store_true",
+                   help="the old source pads 4-bit D128 V rows to 80 bytes (before stop 20): size stages for it")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    if a.old_vpad:  # both kernels get the padded size; neither needs more blocks per SM than it allows
+        size = pdc._cuda_smem_bytes
+        pdc._cuda_smem_bytes = lambda key: size(key) + (key[3] * key[5] * key[4] * 16 if key[0] != 1 and key[1] == 128
+                                                        and key[5] == 2 else 0)
     progs = {"old": program_from(Path(a.old)), "new": program_from(Path(a.new)) if a.new else pdc._CUDA}
     prebuild(("int8", "rk4v4", "rk4v4-e8"), (128, 256), (None,), progs.values())
     cases = [(f, g, ctx, b) for g in ((32, 8, 128), (24, 4, 256)) for f in ("int8", "rk4v4", "rk4v4-e8")
              for ctx, b in (tuple(int(x) for x in cb.split(":")) for cb in a.cases.split(","))]
     rows = []
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     for fmt, (hq, hkv, d), ctx, bsz in cases:
-        c = DecodeCase(fmt, hq, hkv, d, ctx, bsz, 1)
+        per_set = bsz * ctx * hkv * get_format(fmt).bytes_per_token_head(d, torch.bfloat16)
+        c = DecodeCase(fmt, hq, hkv, d, ctx, bsz, a.sets or sets_for(per_set, l2))
 
-        def call():
-            return pd.paged_decode(c.q, c.kp, c.vp, c.tables[0], c.seq_lens, fmt, c.scale, out=c.outs[0],
+        def call(i=0):
+            return pd.paged_decode(c.q, c.kp, c.vp, c.tables[i], c.seq_lens, fmt, c.scale, out=c.outs[i],
                                    backend="cuda")
+        calls = [lambda i=i: call(i) for i in range(c.sets)] * max(1, 10 // c.sets)
         ref = pd.paged_decode_ref(c.q, c.kp, c.vp, c.tables[0], c.seq_lens, fmt, c.scale)
-        row = {"format": fmt, "geometry": f"{hq}q/{hkv}kv/D{d}", "ctx": ctx, "batch": bsz}
+        row = {"format": fmt, "geometry": f"{hq}q/{hkv}kv/D{d}", "ctx": ctx, "batch": bsz, "sets": c.sets}
         for name, prog in progs.items():
             use(prog)
             c.outs[0].fill_(float("nan"))
@@ -73,7 +87,7 @@ def main() -> int:
         for r in range(a.rounds):
             for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
                 use(progs[name])
-                times[name].append(time_graph([call] * 10, 60))
+                times[name].append(time_graph(calls, 60))
         use(progs["new"])
         row.update({f"us_{k}": statistics.median(v) for k, v in times.items()}, runs=times)
         row["new_over_old"] = row["us_new"] / row["us_old"]

@@ -81,7 +81,7 @@ def _cuda_smem_bytes(key: tuple) -> int:
     fmt_c, d, _qt, nw, chunk, nst, _minb = key
     g = d // GROUP
     rb = d if fmt_c == 1 else d // 2
-    stage = chunk * (2 * rb + (16 if rb == 64 and nst == 2 else 0) + 4 * g)  # padded V rows (paged_decode.cu)
+    stage = chunk * (2 * rb + 4 * g)
     return max(nw * nst * stage, nw * 8 * (d + 4) * 4)  # the stages, or the padded partial outputs
 
 

@@ -14,14 +14,22 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
   constexpr int RB = (FMT == 1) ? D : D / 2;  // data bytes per token
   constexpr int NCH = RB / 16;                // 16-byte chunks per token row
   constexpr int SB = G * 2;                   // scale bytes per token
-  // V tile rows: 64-byte rows (4-bit, D = 128) are padded to 80 bytes, so the V reads of a warp (tokens
-  // 2ti + {0, 1, 8, 9}, 32 bytes each) hit 32 different banks; XOR-swizzled 64-byte rows cannot
-  // (even tokens all sit in banks 0..15): 2-way conflicts. K rows keep the swizzle. Not with 3+ stages,
-  // whose padding would not leave room for 2 blocks per SM.
-  constexpr bool VPAD = NCH == 4 && NST == 2;
-  constexpr int VRB = VPAD ? RB + 16 : RB;
-  auto k_at = [](int t, int c) -> int { return t * RB + ((c ^ (t & (NCH - 1))) << 4); };
-  auto v_at = [&](int t, int c) -> int { return VPAD ? t * (RB + 16) + (c << 4) : k_at(t, c); };
+  // Stage rows (K and V alike): byte of 16-byte piece c of token t. int8: pieces XOR-swizzled. 4-bit:
+  // every 32-byte sector a copy writes stays whole and aligned in shared memory; swizzled 16-byte pieces
+  // or 80-byte padded rows made the copies themselves 8-15% slower at D128 (H200, docs/BENCHMARKS.md
+  // "Decode: the stages' layout"). D128 rows are linear: their reads' bank conflicts (K 4-way, V 2-way)
+  // cost less than the instructions avoiding them. D256 (SW): a row's four 32-byte pieces XOR f(t);
+  // with the token order tok16, the K reads (8 rows x 32 B) and V reads (4 rows x 32 B) meet no conflict.
+  constexpr bool SW = FMT != 1 && D == 256;
+  auto k_at = [](int t, int c) -> int {
+    if (FMT == 1) return t * RB + ((c ^ (t & (NCH - 1))) << 4);
+    const int f = SW ? (t & 1) | ((t >> 1) & 2) : 0;
+    return t * RB + (((c >> 1) ^ f) << 5) + ((c & 1) << 4);
+  };
+  // Row r of a 16-token sub-chunk's MMAs (score row = P.V k index) is token tok16(r). SW swaps bits 0
+  // and 1, which puts the V reads' 4 tokens (k = 2ti + {0, 1, 8, 9}) on 4 different f.
+  auto tok16 = [](int r) -> int { return SW ? (r & ~3) | ((r & 1) << 1) | ((r >> 1) & 1) : r; };
+  constexpr int VRB = RB;
   constexpr int STAGE = CHUNK * (RB + VRB + 2 * SB);
   constexpr int NSUB = CHUNK / 16;
   constexpr bool ROT = FMT != 1;
@@ -101,7 +109,7 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
         const int tok = lane / NCH + i * (32 / NCH);
         const int dst = k_at(tok, lane % NCH);
         cp_async16(st + dst, gk + i * 512);
-        cp_async16(st + CHUNK * RB + (VPAD ? v_at(tok, lane % NCH) : dst), gv + i * 512);
+        cp_async16(st + CHUNK * RB + dst, gv + i * 512);
       }
     }
     s_rem -= NW * CHUNK * SB;
@@ -236,6 +244,12 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
   float m_r[2] = {-INFINITY, -INFINITY};
   float l_r[2] = {0.f, 0.f};
 
+  // 4-bit reads: byte (g * 32 + off) of row tok16(r) sits at k_at's row base with bits 5.. of the
+  // piece index XOR f; f depends on the row's low 3 bits only, so per thread the K row (r = gi) and the
+  // two V rows (r = 2ti, 2ti + 1; rows + 8 share their f) are bases that group g flips with g << 5.
+  const int kbase = k_at(tok16(gi), 0) + ti * 8;
+  const int vbase0 = k_at(tok16(2 * ti), 0) + gi * 4, vbase1 = k_at(tok16(2 * ti + 1), 0) + gi * 4;
+
   int use_stage = 0;
   for (int it = 0; it < my_n; ++it) {
     cp_wait<NST - 2>();
@@ -253,7 +267,7 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
     float sc[NSUB][4];
 #pragma unroll
     for (int sub = 0; sub < NSUB; ++sub) {
-      const int ta = sub * 16 + gi, tb = ta + 8;
+      const int ta = sub * 16 + tok16(gi), tb = ta + 8;
       float tot[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int g = 0; g < G; ++g) {
@@ -274,10 +288,9 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
             mma16816(acc, a0, a1, a2, a3, qb[g * 4 + s][0], qb[g * 4 + s][1]);
           }
         } else {
-          const int byte = g * 32 + ti * 8;
-          const int ch = byte >> 4, inner = byte & 15;
-          uint2 wa = *reinterpret_cast<const uint2*>(sk + k_at(ta, ch) + inner);
-          uint2 wb = *reinterpret_cast<const uint2*>(sk + k_at(tb, ch) + inner);
+          const uint8_t* pk = sk + (kbase ^ (g << 5)) + sub * 16 * RB;
+          uint2 wa = *reinterpret_cast<const uint2*>(pk);
+          uint2 wb = *reinterpret_cast<const uint2*>(pk + 8 * RB);
           uint32_t ra0[4], ra1[4], rb0[4], rb1[4];
           raw_word(wa.x, ra0);
           raw_word(wa.y, ra1);
@@ -355,12 +368,14 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
       // P^T (tokens x rows) in C layout -> B fragments (tokens as k) by 8x8 transposes.
       uint32_t pb0 = movtrans(pack_half2(p0, p1));  // tokens 0..7 of the sub-chunk
       uint32_t pb1 = movtrans(pack_half2(p2, p3));  // tokens 8..15
-      const int tk0 = sub * 16 + 2 * ti;           // this thread's B tokens: tk0, tk0+1, tk0+8, tk0+9
+      // this thread's B tokens: k = 2ti, 2ti + 1, 2ti + 8, 2ti + 9
+      const int toks[4] = {sub * 16 + tok16(2 * ti), sub * 16 + tok16(2 * ti + 1), sub * 16 + tok16(2 * ti + 8),
+                           sub * 16 + tok16(2 * ti + 9)};
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         // V scale folded into P per group (zero past the split's end, see issue()).
-        __half s0 = svs[tk0 * G + g], s1 = svs[(tk0 + 1) * G + g];
-        __half s8 = svs[(tk0 + 8) * G + g], s9 = svs[(tk0 + 9) * G + g];
+        __half s0 = svs[toks[0] * G + g], s1 = svs[toks[1] * G + g];
+        __half s8 = svs[toks[2] * G + g], s9 = svs[toks[3] * G + g];
         __half2 sA = __halves2half2(s0, s1), sB = __halves2half2(s8, s9);
         uint32_t b0 = hmul2u(pb0, *reinterpret_cast<uint32_t*>(&sA));
         uint32_t b1 = hmul2u(pb1, *reinterpret_cast<uint32_t*>(&sB));
@@ -369,11 +384,10 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
           const int byte = g * 64 + gi * 8;
           const int ch = byte >> 4, inner = byte & 15;
           uint2 w[4];
-          const int toks[4] = {tk0, tk0 + 1, tk0 + 8, tk0 + 9};
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
             int t = toks[k];
-            w[k] = *reinterpret_cast<const uint2*>(sv + v_at(t, ch) + inner);
+            w[k] = *reinterpret_cast<const uint2*>(sv + k_at(t, ch) + inner);
             w[k].x ^= 0x80808080u;
             w[k].y ^= 0x80808080u;
           }
@@ -394,15 +408,11 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
             mma16816(o[g * 4 + qq], a0, a1, a2, a3, b0, b1);
           }
         } else {
-          const int byte = g * 32 + gi * 4;
-          const int ch = byte >> 4, inner = byte & 15;
-          uint32_t w[4];
-          const int toks[4] = {tk0, tk0 + 1, tk0 + 8, tk0 + 9};
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            int t = toks[k];
-            w[k] = *reinterpret_cast<const uint32_t*>(sv + v_at(t, ch) + inner);
-          }
+          const uint8_t* pv0 = sv + (vbase0 ^ (g << 5)) + sub * 16 * RB;
+          const uint8_t* pv1 = sv + (vbase1 ^ (g << 5)) + sub * 16 * RB;
+          const uint32_t w[4] = {*reinterpret_cast<const uint32_t*>(pv0), *reinterpret_cast<const uint32_t*>(pv1),
+                                 *reinterpret_cast<const uint32_t*>(pv0 + 8 * RB),
+                                 *reinterpret_cast<const uint32_t*>(pv1 + 8 * RB)};
           uint32_t c01 = 0, c89 = 0;  // byte 3 of two tokens (qq = 3): their coset bits at bits 12 / 28
 #pragma unroll
           for (int qq = 0; qq < 4; ++qq) {
