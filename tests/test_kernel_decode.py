@@ -384,6 +384,64 @@ def test_cuda_kernel_compiles_for_sm90(tmp_path, monkeypatch, compiler):
             assert cubin.is_file() and cubin.stat().st_size > 10_000, (name, d)
 
 
+def test_cuda_4bit_stage_layout_reads_what_the_copies_wrote():
+    """The 4-bit stage rows of ``csrc/paged_decode.cu`` (k_at, tok16) and the loop's read bases
+    (kbase / vbase XOR g << 5): every 16-byte piece the copies write lands in its own slot with its
+    32-byte sector whole; every K and V read lands on the byte k_at put there; and at D256 the
+    reads meet no bank conflict (K: 8 rows x 32 B in 2 wavefronts, V: 4 rows x 32 B in 1)."""
+    from ninfer.kernels.paged_decode import _CUDA_SRC
+    for expr in ("const int f = SW ? (t & 1) | ((t >> 1) & 2) : 0;",
+                 "return t * RB + (((c >> 1) ^ f) << 5) + ((c & 1) << 4);",
+                 "return SW ? (r & ~3) | ((r & 1) << 1) | ((r >> 1) & 1) : r;",
+                 "const int kbase = k_at(tok16(gi), 0) + ti * 8;",
+                 "vbase0 = k_at(tok16(2 * ti), 0) + gi * 4, vbase1 = k_at(tok16(2 * ti + 1), 0) + gi * 4;",
+                 "(kbase ^ (g << 5)) + sub * 16 * RB", "(vbase0 ^ (g << 5)) + sub * 16 * RB"):
+        assert expr in _CUDA_SRC, f"CUDA source no longer has {expr!r}: update this emulation"
+
+    def wavefronts(addrs, width):  # shared-memory passes for one warp-wide load of `width` bytes each
+        banks: dict[int, set] = {}
+        for a in addrs:
+            for w in range(a // 4, (a + width) // 4):
+                banks.setdefault(w % 32, set()).add(w)
+        return max(len(v) for v in banks.values())
+
+    for d, chunk in ((128, 64), (256, 32)):
+        rb, sw = d // 2, d == 256
+
+        def k_at(t, c):
+            f = ((t & 1) | ((t >> 1) & 2)) if sw else 0
+            return t * rb + (((c >> 1) ^ f) << 5) + ((c & 1) << 4)
+
+        def tok16(r):
+            return ((r & ~3) | ((r & 1) << 1) | ((r >> 1) & 1)) if sw else r
+
+        slots = {k_at(t, c) for t in range(chunk) for c in range(rb // 16)}
+        assert len(slots) == chunk * rb // 16 and min(slots) == 0 and max(slots) == chunk * rb - 16
+        assert all((k_at(t, c) ^ k_at(t, c ^ 1)) == 16 for t in range(chunk) for c in range(0, rb // 16, 2))
+        assert sorted(tok16(r) for r in range(16)) == list(range(16))
+        for sub in range(chunk // 16):
+            for g in range(d // 64):
+                k_rows, v_rows = [], {e: [] for e in (0, 1, 8, 9)}
+                for lane in range(32):
+                    gi, ti = lane >> 2, lane & 3
+                    kbase = k_at(tok16(gi), 0) + ti * 8
+                    for half in (0, 8):  # wa (row gi), wb (row gi + 8)
+                        got = (kbase ^ (g << 5)) + sub * 16 * rb + half * rb
+                        t, byte = sub * 16 + tok16(gi + half), g * 32 + ti * 8
+                        assert got == k_at(t, byte >> 4) + (byte & 15), (d, sub, g, lane)
+                        if half == 0:
+                            k_rows.append(got)
+                    vb = {0: k_at(tok16(2 * ti), 0) + gi * 4, 1: k_at(tok16(2 * ti + 1), 0) + gi * 4}
+                    for e in (0, 1, 8, 9):
+                        got = (vb[e & 1] ^ (g << 5)) + sub * 16 * rb + (e & 8) * rb
+                        t, byte = sub * 16 + tok16(2 * ti + e), g * 32 + gi * 4
+                        assert got == k_at(t, byte >> 4) + (byte & 15), (d, sub, g, lane, e)
+                        v_rows[e].append(got)
+                if sw:
+                    assert wavefronts(k_rows, 8) == 2, (d, sub, g)
+                    assert all(wavefronts(v, 4) == 1 for v in v_rows.values()), (d, sub, g)
+
+
 def test_default_configs_fit_in_shared_memory():
     """Every format and head dim's default configuration fits its blocks per SM in an H100/H200 SM's
     shared memory (a configuration that does not fails only at launch, on a GPU)."""
