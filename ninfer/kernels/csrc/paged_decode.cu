@@ -29,8 +29,7 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
   // Row r of a 16-token sub-chunk's MMAs (score row = P.V k index) is token tok16(r). SW swaps bits 0
   // and 1, which puts the V reads' 4 tokens (k = 2ti + {0, 1, 8, 9}) on 4 different f.
   auto tok16 = [](int r) -> int { return SW ? (r & ~3) | ((r & 1) << 1) | ((r >> 1) & 1) : r; };
-  constexpr int VRB = RB;
-  constexpr int STAGE = CHUNK * (RB + VRB + 2 * SB);
+  constexpr int STAGE = CHUNK * 2 * (RB + SB);
   constexpr int NSUB = CHUNK / 16;
   constexpr bool ROT = FMT != 1;
   constexpr int KSTEPS = D / 16;  // k-steps of the score MMA; also m-tiles of the output MMA
@@ -88,7 +87,7 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
   const bool s_on = lane < 2 * NSP, s_v = lane >= NSP;
   const int s_pc = lane % NSP;
   const uint8_t* gs_l = (s_v ? vs_h : ks_h) + woff * SB + s_pc * 16;
-  const int s_dst = CHUNK * (RB + VRB) + (s_v ? CHUNK * SB : 0) + s_pc * 16;
+  const int s_dst = CHUNK * (2 * RB) + (s_v ? CHUNK * SB : 0) + s_pc * 16;
   // bytes of this lane's V scale piece before the end of the split, for the chunk issued next
   int s_rem = s_v ? (t_hi - (t_lo + warp * CHUNK)) * SB - s_pc * 16 : (1 << 30);
   const uint32_t wbase_s = static_cast<uint32_t>(__cvta_generic_to_shared(wbase));
@@ -244,9 +243,9 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
   float m_r[2] = {-INFINITY, -INFINITY};
   float l_r[2] = {0.f, 0.f};
 
-  // 4-bit reads: byte (g * 32 + off) of row tok16(r) sits at k_at's row base with bits 5.. of the
-  // piece index XOR f; f depends on the row's low 3 bits only, so per thread the K row (r = gi) and the
-  // two V rows (r = 2ti, 2ti + 1; rows + 8 share their f) are bases that group g flips with g << 5.
+  // 4-bit reads: byte g * 32 + o (o < 32) of token t sits at k_at(t, 0) + o with bits 5.. XOR g (f(t)
+  // is already in k_at(t, 0)), and f depends on t's low 3 bits only. So each thread keeps one K base
+  // (row gi) and two V bases (rows 2ti, 2ti + 1; rows + 8 and later sub-chunks share them).
   const int kbase = k_at(tok16(gi), 0) + ti * 8;
   const int vbase0 = k_at(tok16(2 * ti), 0) + gi * 4, vbase1 = k_at(tok16(2 * ti + 1), 0) + gi * 4;
 
@@ -259,8 +258,8 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
     if (NST != 2) use_stage = use_stage + 1 == NST ? 0 : use_stage + 1;
     const uint8_t* sk = st;
     const uint8_t* sv = st + CHUNK * RB;
-    const __half* sks = reinterpret_cast<const __half*>(st + CHUNK * (RB + VRB));
-    const __half* svs = reinterpret_cast<const __half*>(st + CHUNK * (RB + VRB + SB));
+    const __half* sks = reinterpret_cast<const __half*>(st + CHUNK * (2 * RB));
+    const __half* svs = reinterpret_cast<const __half*>(st + CHUNK * (2 * RB + SB));
     const int t0 = t_lo + (warp + it * NW) * CHUNK;
 
     // ---- scores S^T [tokens x q rows] for the chunk
