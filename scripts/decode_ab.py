@@ -25,8 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from decode_probe import prebuild  # noqa: E402
-from ninfer.bench.kernels import DecodeCase, sets_for, time_graph  # noqa: E402
-from ninfer.kvcache.formats import get_format  # noqa: E402
+from ninfer.bench.kernels import DecodeCase, time_graph  # noqa: E402
 from ninfer.kernels import cuda_build  # noqa: E402
 from ninfer.kernels import paged_decode as pd  # noqa: E402
 from ninfer.kernels import paged_decode_cuda as pdc  # noqa: E402
@@ -67,10 +66,8 @@ def main() -> int:
     cases = [(f, g, ctx, b) for g in ((32, 8, 128), (24, 4, 256)) for f in ("int8", "rk4v4", "rk4v4-e8")
              for ctx, b in (tuple(int(x) for x in cb.split(":")) for cb in a.cases.split(","))]
     rows = []
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     for fmt, (hq, hkv, d), ctx, bsz in cases:
-        per_set = bsz * ctx * hkv * get_format(fmt).bytes_per_token_head(d, torch.bfloat16)
-        c = DecodeCase(fmt, hq, hkv, d, ctx, bsz, a.sets or sets_for(per_set, l2))
+        c = DecodeCase(fmt, hq, hkv, d, ctx, bsz, a.sets)
 
         def call(i=0):
             return pd.paged_decode(c.q, c.kp, c.vp, c.tables[i], c.seq_lens, fmt, c.scale, out=c.outs[i],

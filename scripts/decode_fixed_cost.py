@@ -42,8 +42,7 @@ def main() -> int:
         for ctx in [int(x) for x in a.ctx.split(",")]:
             for fmt_name in a.formats.split(","):
                 fmt = get_format(fmt_name)
-                per_set = a.batch * ctx * hkv * fmt.bytes_per_token_head(d, torch.bfloat16)
-                case = kb.DecodeCase(fmt_name, hq, hkv, d, ctx, a.batch, kb.sets_for(per_set, l2))
+                case = kb.DecodeCase(fmt_name, hq, hkv, d, ctx, a.batch, l2_bytes=l2)
                 code = fmt_code(fmt)
                 cfg = default_cfg(code, d)
                 splits = cuda_num_splits(a.batch, hkv, case.tables[0].shape[1], case.q.device, fmt_name, d,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -26,12 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from ninfer.bench.kernels import random_planes, sets_for, time_graph  # noqa: E402
+from ninfer.bench.kernels import DecodeCase, time_graph  # noqa: E402
 from ninfer.kernels import paged_decode_cuda as pdc  # noqa: E402
-from ninfer.kernels._common import LOG2E, fmt_code  # noqa: E402
+from ninfer.kernels._common import fmt_code  # noqa: E402
 from ninfer.kernels.decode_reduce import decode_reduce  # noqa: E402
 from ninfer.kernels.paged_decode import paged_decode_ref  # noqa: E402
-from ninfer.kvcache.formats import get_format  # noqa: E402
 
 LAYOUTS = ("planes", "kv", "block")
 
@@ -56,58 +54,33 @@ def relayout(planes: dict, layout: str) -> dict:
                "v_scale": buf[..., 2 * nd + ns:].view(torch.float16).unflatten(-1, (t, g))}
     for name, x in out.items():
         x.copy_(planes[name])
-    assert out["k"].stride() == out["v"].stride() and out["k_scale"].stride() == out["v_scale"].stride()
     return out
 
 
-def split_and_merge(q, pl, table, sl, mid_o, mid_lse, out, code, scale, splits, cfg, rotated):
-    """paged_decode's CUDA path without its contiguity check (the kernel takes the strides)."""
-    bsz, hq, d = q.shape
-    kd, ks, vd, vs = pl["k"], pl["k_scale"], pl["v"], pl["v_scale"]
-    hkv = kd.shape[1]
-    key = pdc._key(code, d, q.dtype, cfg)
-    _mod, fn, smem, _occ, _regs = pdc._CUDA.function(key, q.device)
-    pdc._CUDA.launch(fn, (splits, hkv, bsz), key[3] * 32, smem, torch.cuda.current_stream().cuda_stream, [
-        q, kd, ks, vd, vs, table, sl, mid_o, mid_lse, ("i64", q.stride(0)), ("i64", q.stride(1)),
-        ("i64", kd.stride(0) * kd.element_size()), ("i64", kd.stride(1) * kd.element_size()),
-        ("i64", ks.stride(0) * 2), ("i64", ks.stride(1) * 2), ("i64", table.stride(0)),
-        hq, hq // hkv, splits, float(scale) * LOG2E])
-    decode_reduce(mid_o, mid_lse, out.view(bsz * hq, d), rotated=rotated)
-
-
-def case_rows(fmt_name: str, geom: tuple, ctx: int, bsz: int, rounds: int, l2: int) -> dict:
+def case_rows(fmt_name: str, geom: tuple, ctx: int, bsz: int, rounds: int) -> dict:
     hq, hkv, d = geom
-    dev = torch.device("cuda")
-    fmt = get_format(fmt_name)
-    code = fmt_code(fmt)
-    per_set = bsz * ctx * hkv * fmt.bytes_per_token_head(d, torch.bfloat16)
-    sets = sets_for(per_set, l2)
-    pps = math.ceil(ctx / 64)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    base = random_planes(fmt, d, hkv, pps * bsz * sets, dev, gen)
-    perm = torch.randperm(pps * bsz * sets, device=dev, generator=gen).to(torch.int32)
-    tables = [perm[i * bsz * pps:(i + 1) * bsz * pps].view(bsz, pps).contiguous() for i in range(sets)]
-    q = torch.randn(bsz, hq, d, dtype=torch.bfloat16, device=dev, generator=gen)
-    sl = torch.full((bsz,), ctx, dtype=torch.int32, device=dev)
-    scale = d ** -0.5
+    c = DecodeCase(fmt_name, hq, hkv, d, ctx, bsz)
+    code = fmt_code(c.fmt)
     cfg = pdc.default_cfg(code, d)
-    splits = pdc.cuda_num_splits(bsz, hkv, pps, dev, fmt_name, d, q.dtype, cfg)
-    mid_o = torch.empty(bsz * hq, splits, d, dtype=torch.float32, device=dev)
-    mid_lse = torch.empty(bsz * hq, splits, dtype=torch.float32, device=dev)
-    outs = [torch.empty_like(q) for _ in range(sets)]
-    ref = paged_decode_ref(q, (base["k"], base["k_scale"]), (base["v"], base["v_scale"]), tables[0], sl, fmt_name,
-                           scale)
-    row = {"format": fmt_name, "geometry": f"{hq}q/{hkv}kv/D{d}", "ctx": ctx, "batch": bsz, "sets": sets,
+    splits = pdc.cuda_num_splits(bsz, hkv, c.tables[0].shape[1], c.q.device, fmt_name, d, c.q.dtype, cfg)
+    mid_o = torch.empty(bsz * hq, splits, d, dtype=torch.float32, device=c.q.device)
+    mid_lse = torch.empty(bsz * hq, splits, dtype=torch.float32, device=c.q.device)
+
+    def call(pl, i):  # paged_decode's CUDA path, on planes it would not take (strided views)
+        pdc._paged_decode_cuda_split(c.q, pl["k"], pl["k_scale"], pl["v"], pl["v_scale"], c.tables[i], c.seq_lens,
+                                     mid_o, mid_lse, code, c.scale, splits, cfg)
+        decode_reduce(mid_o, mid_lse, c.outs[i].view(bsz * hq, d), rotated=c.fmt.rotated)
+
+    ref = paged_decode_ref(c.q, c.kp, c.vp, c.tables[0], c.seq_lens, fmt_name, c.scale)
+    row = {"format": fmt_name, "geometry": f"{hq}q/{hkv}kv/D{d}", "ctx": ctx, "batch": bsz, "sets": c.sets,
            "splits": splits, "cfg": list(cfg)}
     calls = {}
     for lay in LAYOUTS:
-        pl = relayout(base, lay)
-        outs[0].fill_(float("nan"))
-        split_and_merge(q, pl, tables[0], sl, mid_o, mid_lse, outs[0], code, scale, splits, cfg, fmt.rotated)
-        row[f"rel_err_{lay}"] = float((outs[0].double() - ref).norm() / ref.norm())
-        calls[lay] = [lambda i=i, pl=pl: split_and_merge(q, pl, tables[i], sl, mid_o, mid_lse, outs[i], code, scale,
-                                                          splits, cfg, fmt.rotated) for i in range(sets)]
-        calls[lay] = calls[lay] * max(1, 10 // sets)
+        pl = relayout(c.planes, lay)
+        c.outs[0].fill_(float("nan"))
+        call(pl, 0)
+        row[f"rel_err_{lay}"] = float((c.outs[0].double() - ref).norm() / ref.norm())
+        calls[lay] = [lambda i=i, pl=pl: call(pl, i) for i in range(c.sets)] * max(1, 10 // c.sets)
     times = {lay: [] for lay in LAYOUTS}
     for r in range(rounds):
         for lay in (LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]):
@@ -125,13 +98,12 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows = []
     for geom in ((32, 8, 128), (24, 4, 256)):
         for fmt_name in a.formats.split(","):
             for cb in a.cases.split(","):
                 ctx, bsz = (int(x) for x in cb.split(":"))
-                row = case_rows(fmt_name, geom, ctx, bsz, a.rounds, l2)
+                row = case_rows(fmt_name, geom, ctx, bsz, a.rounds)
                 rows.append(row)
                 print(f"{fmt_name:9s} {row['geometry']:13s} ctx={ctx:6d} B={bsz}  " + "  ".join(
                     f"{lay} {row[f'us_{lay}']:8.2f} us ({row[f'us_{lay}'] / row['us_planes']:.3f}, "

@@ -17,9 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from ninfer.bench.kernels import DecodeCase, sets_for, time_graph  # noqa: E402
+from ninfer.bench.kernels import DecodeCase, time_graph  # noqa: E402
 from ninfer.kernels import paged_decode as pd  # noqa: E402
-from ninfer.kvcache.formats import get_format  # noqa: E402
 
 
 def main() -> int:
@@ -32,9 +31,8 @@ def main() -> int:
     rows = []
     for hq, hkv, d in ((32, 8, 128), (24, 4, 256)):
         for fmt in ("int8", "rk4v4", "rk4v4-e8"):
-            # as the kernel bench sizes it: page sets covering at least 4x the L2
-            sets = sets_for(a.ctx * hkv * get_format(fmt).bytes_per_token_head(d, torch.bfloat16), l2)
-            c = DecodeCase(fmt, hq, hkv, d, a.ctx, 1, sets)
+            c = DecodeCase(fmt, hq, hkv, d, a.ctx, 1, l2_bytes=l2)  # page sets as the kernel bench sizes them
+            sets = c.sets
             tables = {"random": c.tables, "sorted": [t.sort(dim=1).values.contiguous() for t in c.tables]}
 
             def calls(order):

@@ -55,8 +55,7 @@ def main() -> int:
         hq, hkv, d = kb.GEOMETRIES[geo]
         for bsz in [int(x) for x in a.batch.split(",")]:
             for fmt in ("int8", "rk4v4", "rk4v4-e8"):
-                per_set = bsz * a.ctx * hkv * get_format(fmt).bytes_per_token_head(d, torch.bfloat16)
-                case = kb.DecodeCase(fmt, hq, hkv, d, a.ctx, bsz, kb.sets_for(per_set, l2))
+                case = kb.DecodeCase(fmt, hq, hkv, d, a.ctx, bsz, l2_bytes=l2)
                 calls = [lambda i=i: paged_decode(case.q, case.kp, case.vp, case.tables[i], case.seq_lens, fmt,
                                                   case.scale, out=case.outs[i], backend="cuda")
                          for i in range(case.sets)]

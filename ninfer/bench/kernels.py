@@ -163,17 +163,23 @@ def random_planes(fmt, d: int, hkv: int, num_pages: int, dev, gen) -> dict:
     return planes
 
 class DecodeCase:
-    """R disjoint page sets of B sequences of length L (random page order) in one pool per format."""
+    """R disjoint page sets of B sequences of length L (random page order) in one pool per format.
+    ``sets`` <= 0: as many as cover 4x the L2 (``sets_for``; ``l2_bytes`` defaults to the device's), so
+    replays that rotate over the sets read every call's pages from HBM."""
 
-    def __init__(self, fmt_name: str, hq: int, hkv: int, d: int, ctx: int, batch: int, sets: int, seed: int = 0,
-                 device: str = "cuda"):
+    def __init__(self, fmt_name: str, hq: int, hkv: int, d: int, ctx: int, batch: int, sets: int = 0,
+                 seed: int = 0, device: str = "cuda", l2_bytes: int | None = None):
         import torch
 
         from ninfer.kvcache.formats import get_format
 
         self.fmt = get_format(fmt_name)
-        self.hq, self.hkv, self.d, self.ctx, self.batch, self.sets = hq, hkv, d, ctx, batch, sets
+        self.hq, self.hkv, self.d, self.ctx, self.batch = hq, hkv, d, ctx, batch
         dev = torch.device(device)
+        if sets <= 0:
+            l2 = l2_bytes or torch.cuda.get_device_properties(dev).L2_cache_size
+            sets = sets_for(self.kv_bytes(), l2)
+        self.sets = sets
         gen = torch.Generator(device=dev).manual_seed(seed)
         pages_per_seq = math.ceil(ctx / PAGE)
         num_pages = pages_per_seq * batch * sets
@@ -217,9 +223,7 @@ def bench_decode_format(fmt_name: str, backend: str, hq: int, hkv: int, d: int, 
     extra = dict(extra or {})
     label = extra.pop("label", None)
     if case is None:
-        from ninfer.kvcache.formats import get_format
-        per_set = batch * ctx * hkv * get_format(fmt_name).bytes_per_token_head(d, torch.bfloat16)
-        case = DecodeCase(fmt_name, hq, hkv, d, ctx, batch, sets_for(per_set, l2))
+        case = DecodeCase(fmt_name, hq, hkv, d, ctx, batch, l2_bytes=l2)
     row = {"kind": "decode", "format": fmt_name, "backend": backend, "label": label or f"{fmt_name}/{backend}",
            "hq": hq, "hkv": hkv, "d": d, "context": ctx, "batch": batch, "sets": case.sets,
            "kv_bytes": case.kv_bytes(), "bytes": case.kv_bytes() + case.io_bytes(), **{k: v for k, v in extra.items()}}

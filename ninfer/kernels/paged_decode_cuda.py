@@ -34,7 +34,7 @@ _CUDA_FMT = {FMT_INT8: 1, FMT_RK4: 2, FMT_E8: 3}
 # measured on the H200 (docs/BENCHMARKS.md "Decode: the configurations per head dim"; head dims below
 # 128 use the 128 entry). MINB = blocks per SM the registers must allow (ptxas's cap; 2 -> 128
 # registers). rk4v4 at D128 runs capped at 2 blocks per SM: uncapped (166 registers, 1 block) was
-# 4-6% slower. rk4v4-e8 at D128 runs 64-token chunks at one block of 8 warps (183 registers), 4-7%
+# 4-6% slower. rk4v4-e8 at D128 runs 64-token chunks at one block of 8 warps (176 registers), 4-7%
 # faster than capped 32-token chunks; at D256 such stages do not fit in shared memory. int8, the
 # control the 4-bit kernels are compared with, was searched the same way. D256 fits one block.
 CUDA_DEFAULT_CFG = {
@@ -123,9 +123,14 @@ def _paged_decode_cuda_split(q, kd, ks, vd, vs, block_tables, seq_lens, mid_o, m
                              splits, cfg) -> None:
     bsz, hq, d = q.shape
     hkv = kd.shape[1]
+    # What the kernel addresses: a (page, head)'s rows contiguous, K / V (and their scales) at the same
+    # page and head strides; paged_decode passes contiguous planes, a layout probe may pass views.
     for t, nm in ((kd, "k"), (vd, "v"), (ks, "k_scale"), (vs, "v_scale")):
-        if not t.is_contiguous():
-            raise ValueError(f"paged_decode(cuda): plane {nm} must be contiguous")
+        if t.stride()[2:] != (t.shape[3], 1):
+            raise ValueError(f"paged_decode(cuda): plane {nm} needs contiguous rows within a page, strides {t.stride()}")
+    if kd.stride() != vd.stride() or ks.stride() != vs.stride():
+        raise ValueError(f"paged_decode(cuda): K and V planes need the same strides, got {kd.stride()} / "
+                         f"{vd.stride()} and {ks.stride()} / {vs.stride()}")
     if max(kd.stride(0) * kd.element_size(), ks.stride(0) * ks.element_size()) >= 2 ** 32:
         raise ValueError("paged_decode(cuda): a page's stride must be < 4 GiB (32-bit page offsets)")
     key = _key(code, d, q.dtype, cfg)
