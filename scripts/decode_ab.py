@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from decode_probe import prebuild  # noqa: E402
 from ninfer.bench.kernels import DecodeCase, time_graph  # noqa: E402
 from ninfer.kernels import cuda_build  # noqa: E402
+from ninfer.kernels.decode_reduce import decode_reduce  # noqa: E402
 from ninfer.kernels import paged_decode as pd  # noqa: E402
 from ninfer.kernels import paged_decode_cuda as pdc  # noqa: E402
 
@@ -43,6 +44,12 @@ def program_from(src_dir: Path) -> pdc._CudaDecode:
 def use(prog) -> None:
     pdc._CUDA = prog
     pd._CUDA = prog
+    # a source from before stop 21 leaves rotated formats' partials in the H64 domain for the merge
+    pd.decode_reduce = getattr(prog, "merge", decode_reduce)
+
+
+def h64_merge(fmt_rotated: bool):
+    return lambda mid_o, mid_lse, out, rotated=False: decode_reduce(mid_o, mid_lse, out, rotated=fmt_rotated)
 
 
 def main() -> int:
@@ -55,6 +62,8 @@ def main() -> int:
                    help="page sets the replays rotate over (0: as the kernel bench, enough to defeat the L2)")
     p.add_argument("--old-vpad", action="store_true",
                    help="the old source pads 4-bit D128 V rows to 80 bytes (before stop 20): size stages for it")
+    p.add_argument("--old-h64", action="store_true",
+                   help="the old source writes rotated partials in the H64 domain (before stop 21): merge with rotation")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if a.old_vpad:  # both kernels get the padded size; neither needs more blocks per SM than it allows
@@ -68,6 +77,8 @@ def main() -> int:
     rows = []
     for fmt, (hq, hkv, d), ctx, bsz in cases:
         c = DecodeCase(fmt, hq, hkv, d, ctx, bsz, a.sets)
+        if a.old_h64:
+            progs["old"].merge = h64_merge(c.fmt.rotated)
 
         def call(i=0):
             return pd.paged_decode(c.q, c.kp, c.vp, c.tables[i], c.seq_lens, fmt, c.scale, out=c.outs[i],

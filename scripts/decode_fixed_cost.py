@@ -56,7 +56,7 @@ def main() -> int:
                                              mids[i][0], mids[i][1], code, case.scale, splits, cfg)
 
                 def reduce(i):
-                    decode_reduce(mids[i][0], mids[i][1], case.outs[i].view(-1, d), rotated=fmt.rotated)
+                    decode_reduce(mids[i][0], mids[i][1], case.outs[i].view(-1, d), rotated=False)
 
                 def full(i):
                     paged_decode(case.q, kp, vp, case.tables[i], case.seq_lens, fmt_name, case.scale,

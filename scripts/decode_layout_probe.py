@@ -69,7 +69,7 @@ def case_rows(fmt_name: str, geom: tuple, ctx: int, bsz: int, rounds: int) -> di
     def call(pl, i):  # paged_decode's CUDA path, on planes it would not take (strided views)
         pdc._paged_decode_cuda_split(c.q, pl["k"], pl["k_scale"], pl["v"], pl["v_scale"], c.tables[i], c.seq_lens,
                                      mid_o, mid_lse, code, c.scale, splits, cfg)
-        decode_reduce(mid_o, mid_lse, c.outs[i].view(bsz * hq, d), rotated=c.fmt.rotated)
+        decode_reduce(mid_o, mid_lse, c.outs[i].view(bsz * hq, d), rotated=False)
 
     ref = paged_decode_ref(c.q, c.kp, c.vp, c.tables[0], c.seq_lens, fmt_name, c.scale)
     row = {"format": fmt_name, "geometry": f"{hq}q/{hkv}kv/D{d}", "ctx": ctx, "batch": bsz, "sets": c.sets,

@@ -24,7 +24,8 @@ Formats (``docs/ARCHITECTURE.md`` "4-bit data layout" and "KV pool"):
   sum_block q`` -- two per-word features against per-word Q weights in one extra K=16 dot. V gets
   the same features (``sum_t P (par - c)`` to the dimension of nibble 7, ``sum_t P c/2`` to all 8
   dimensions of the word), added once per split.
-  The partial outputs stay in the H64 domain; ``decode_reduce`` undoes the rotation once.
+  The partial outputs stay in the H64 domain; ``decode_reduce`` undoes the rotation once (the CUDA
+  kernel instead rotates each split's partial back in its epilogue, so its merge is a plain one).
 
 Backends: this Triton kernel is the portable path. On NVIDIA GPUs (sm_80+, with nvcc or NVRTC) the
 int8 / rk4v4 / rk4v4-e8 formats also have a CUDA C++ split kernel (paged_decode_cuda.py, source in
@@ -410,7 +411,8 @@ def paged_decode(q: torch.Tensor, k_planes, v_planes, block_tables: torch.Tensor
     if use_cuda:
         _paged_decode_cuda_split(q, kd, ks, vd, vs, block_tables, seq_lens, mid_o, mid_lse, code, scale,
                                  splits, cfg)
-        decode_reduce(mid_o, mid_lse, out.view(bsz * hq, d), rotated=fmt.rotated)
+        # the CUDA kernel rotates each split's partial back itself (in its epilogue, in parallel)
+        decode_reduce(mid_o, mid_lse, out.view(bsz * hq, d), rotated=False)
         return out
     # Packed formats also read their bytes as little-endian 32-bit words (one E8 block each).
     if code in (FMT_RK4, FMT_E8):

@@ -3,6 +3,60 @@
 
 namespace nd {
 
+// A split's partial from the warps' partials in shared memory (o_s [NW][8][D + 4], m_s / l_s [NW][8]):
+// out of line, so that it does not change how the compiler schedules the main loop. base = (first row
+// of the group) * num_splits + split. Rotated formats are rotated back here, per split (the merge is
+// linear): v = R.v per 64-group, R = S.H64.S / 8, through q_s [8][D] (Q's rows are dead by now).
+template <int D, int NW, bool ROT>
+__device__ __noinline__ void write_split(const float* o_s, const float* m_s, const float* l_s, float* q_s,
+                                         float* __restrict__ mid_o, float* __restrict__ mid_lse, int64_t base,
+                                         int group, int num_splits) {
+  constexpr int G = D / 64, OS = D + 4;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  __shared__ float f_s[NW][8];  // per row: the warps' weights 2^(m_w - max) / den, computed once
+  __shared__ float lse_s[8];
+  if (tid < 8) {
+    const int r = tid;
+    float mx = -INFINITY, den = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, m_s[w * 8 + r]);
+#pragma unroll
+    for (int w = 0; w < NW; ++w) den += mx == -INFINITY ? 0.f : exp2f(m_s[w * 8 + r] - mx) * l_s[w * 8 + r];
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) f_s[w][r] = mx == -INFINITY ? 0.f : exp2f(m_s[w * 8 + r] - mx) * inv;
+    lse_s[r] = den > 0.f ? mx + log2f(den) : -INFINITY;
+  }
+  __syncthreads();
+  for (int i = tid; i < group * D; i += NW * 32) {
+    const int r = i / D, d = i % D;
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) v += f_s[w][r] * o_s[(w * 8 + r) * OS + d];
+    if (ROT) q_s[r * D + d] = v;
+    else mid_o[(base + (int64_t)r * num_splits) * D + d] = v;
+    if (d == 0) mid_lse[base + (int64_t)r * num_splits] = lse_s[r];
+  }
+  if (!ROT) return;
+  __syncthreads();
+  for (int p = warp; p < group * G; p += NW) {  // one warp per (row, group): dims lane, lane + 32
+    const int r = p / G, g = p % G;
+    float v0 = q_s[r * D + 64 * g + lane] * rot_sign(lane), v1 = q_s[r * D + 64 * g + 32 + lane] * rot_sign(lane + 32);
+    const float x = v0 + v1;
+    v1 = v0 - v1;
+    v0 = x;
+#pragma unroll
+    for (int lb = 1; lb < 32; lb <<= 1) {  // the Walsh-Hadamard butterflies of bits 0..4 (bit 5 above)
+      const float o0 = __shfl_xor_sync(0xffffffffu, v0, lb), o1 = __shfl_xor_sync(0xffffffffu, v1, lb);
+      v0 = (lane & lb) ? o0 - v0 : v0 + o0;
+      v1 = (lane & lb) ? o1 - v1 : v1 + o1;
+    }
+    float* po = mid_o + (base + (int64_t)r * num_splits) * D + 64 * g;
+    po[lane] = v0 * 0.125f * rot_sign(lane);
+    po[lane + 32] = v1 * 0.125f * rot_sign(lane + 32);
+  }
+}
+
 // FMT: 1 = int8, 2 = rk4v4, 3 = rk4v4-e8.  One block = NW warps = one (split, kv head, seq).
 template <int FMT, int D, int NW, int CHUNK, int NST, typename QT>
 __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, const uint8_t* __restrict__ kd, const __half* __restrict__ ks,
@@ -15,20 +69,19 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
   constexpr int NCH = RB / 16;                // 16-byte chunks per token row
   constexpr int SB = G * 2;                   // scale bytes per token
   // Stage rows (K and V alike): byte of 16-byte piece c of token t. int8: pieces XOR-swizzled. 4-bit:
-  // every 32-byte sector a copy writes stays whole and aligned in shared memory; swizzled 16-byte pieces
-  // or 80-byte padded rows made the copies themselves 8-15% slower at D128 (H200, docs/BENCHMARKS.md
-  // "Decode: the stages' layout"). D128 rows are linear: their reads' bank conflicts (K 4-way, V 2-way)
-  // cost less than the instructions avoiding them. D256 (SW): a row's four 32-byte pieces XOR f(t);
-  // with the token order tok16, the K reads (8 rows x 32 B) and V reads (4 rows x 32 B) meet no conflict.
+  // every 32-byte sector a copy writes stays whole and aligned in shared memory (swizzled 16-byte pieces
+  // or 80-byte padded rows made the copies themselves 8-15% slower at D128: H200, docs/BENCHMARKS.md
+  // "Decode: the stages' layout"). D128 rows are linear: their reads' bank conflicts (K: 4 passes where
+  // 2 would do, V: 4 where 1 would) cost less than the addressing of a conflict-free layout (1.6-3.5%
+  // slower at 128K-512K, H200, docs/BENCHMARKS.md). D256 (SW): a row's four 32-byte pieces XOR
+  // (t >> 1) & 3, so the K reads (piece p of tokens t..t+7) and the V reads (tokens {0, 2, 4, 6} + c)
+  // meet no bank conflict.
   constexpr bool SW = FMT != 1 && D == 256;
   auto k_at = [](int t, int c) -> int {
     if (FMT == 1) return t * RB + ((c ^ (t & (NCH - 1))) << 4);
-    const int f = SW ? (t & 1) | ((t >> 1) & 2) : 0;
+    const int f = SW ? (t >> 1) & 3 : 0;
     return t * RB + (((c >> 1) ^ f) << 5) + ((c & 1) << 4);
   };
-  // Row r of a 16-token sub-chunk's MMAs (score row = P.V k index) is token tok16(r). SW swaps bits 0
-  // and 1, which puts the V reads' 4 tokens (k = 2ti + {0, 1, 8, 9}) on 4 different f.
-  auto tok16 = [](int r) -> int { return SW ? (r & ~3) | ((r & 1) << 1) | ((r >> 1) & 1) : r; };
   constexpr int STAGE = CHUNK * 2 * (RB + SB);
   constexpr int NSUB = CHUNK / 16;
   constexpr bool ROT = FMT != 1;
@@ -246,8 +299,8 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
   // 4-bit reads: byte g * 32 + o (o < 32) of token t sits at k_at(t, 0) + o with bits 5.. XOR g (f(t)
   // is already in k_at(t, 0)), and f depends on t's low 3 bits only. So each thread keeps one K base
   // (row gi) and two V bases (rows 2ti, 2ti + 1; rows + 8 and later sub-chunks share them).
-  const int kbase = k_at(tok16(gi), 0) + ti * 8;
-  const int vbase0 = k_at(tok16(2 * ti), 0) + gi * 4, vbase1 = k_at(tok16(2 * ti + 1), 0) + gi * 4;
+  const int kbase = k_at(gi, 0) + ti * 8;
+  const int vbase0 = k_at(2 * ti, 0) + gi * 4, vbase1 = k_at(2 * ti + 1, 0) + gi * 4;
 
   int use_stage = 0;
   for (int it = 0; it < my_n; ++it) {
@@ -266,7 +319,7 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
     float sc[NSUB][4];
 #pragma unroll
     for (int sub = 0; sub < NSUB; ++sub) {
-      const int ta = sub * 16 + tok16(gi), tb = ta + 8;
+      const int ta = sub * 16 + gi, tb = ta + 8;
       float tot[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int g = 0; g < G; ++g) {
@@ -368,8 +421,7 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
       uint32_t pb0 = movtrans(pack_half2(p0, p1));  // tokens 0..7 of the sub-chunk
       uint32_t pb1 = movtrans(pack_half2(p2, p3));  // tokens 8..15
       // this thread's B tokens: k = 2ti, 2ti + 1, 2ti + 8, 2ti + 9
-      const int toks[4] = {sub * 16 + tok16(2 * ti), sub * 16 + tok16(2 * ti + 1), sub * 16 + tok16(2 * ti + 8),
-                           sub * 16 + tok16(2 * ti + 9)};
+      const int toks[4] = {sub * 16 + 2 * ti, sub * 16 + 2 * ti + 1, sub * 16 + 2 * ti + 8, sub * 16 + 2 * ti + 9};
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         // V scale folded into P per group (zero past the split's end, see issue()).
@@ -459,7 +511,7 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
     }
   }
 
-  // ---- merge the warps of the block, write this split's partial (H64 domain for rotated formats)
+  // ---- merge the warps of the block, write this split's partial (natural basis for every format)
 #pragma unroll
   for (int off = 4; off < 32; off <<= 1) {
     l_r[0] += __shfl_xor_sync(0xffffffffu, l_r[0], off);
@@ -493,24 +545,8 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
     base[(2 * ti + 1) * OS + d1] = o[mt][3];
   }
   __syncthreads();
-  for (int i = tid_all; i < group * D; i += NW * 32) {
-    int r = i / D, d = i % D;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, m_s[w][r]);
-    float num = 0.f, den = 0.f;
-    if (mx != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < NW; ++w) {
-        float f = exp2f(m_s[w][r] - mx);
-        num += f * o_s[(w * 8 + r) * OS + d];
-        den += f * l_s[w][r];
-      }
-    }
-    int64_t row = (int64_t)b * hq + h0 + r;
-    mid_o[(row * num_splits + split) * D + d] = den > 0.f ? num / den : 0.f;
-    if (d == 0) mid_lse[row * num_splits + split] = den > 0.f ? mx + log2f(den) : -INFINITY;
-  }
+  write_split<D, NW, ROT>(o_s, &m_s[0][0], &l_s[0][0], &q_s[0][0], mid_o, mid_lse,
+                          ((int64_t)b * hq + h0) * num_splits + split, group, num_splits);
 }
 
 }  // namespace nd
