@@ -508,3 +508,22 @@ def test_long_split_matches_oracle(fmt_name, backend):
     rel = float((out.double() - ref).norm() / ref.norm())
     print(f"{fmt_name} {backend}: rel err {rel:.3e}")
     assert torch.isfinite(out).all() and rel < 5e-3, f"{fmt_name} {backend}: rel err {rel:.3e}"
+
+
+def test_decode_timeline_probe_still_fits_the_kernel(tmp_path):
+    """scripts/decode_timeline.py stamps a copy of csrc/paged_decode.cu at fixed anchors; if the kernel
+    changes under it, this fails here rather than on a GPU."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+    scripts = Path(__file__).resolve().parent.parent / "scripts"
+    sys.path.insert(0, str(scripts))
+    try:
+        spec = importlib.util.spec_from_file_location("decode_timeline", scripts / "decode_timeline.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        mod.probe_source(tmp_path)
+    finally:
+        sys.path.remove(str(scripts))
+    src = (tmp_path / "paged_decode.cu").read_text()
+    assert src.count("%%globaltimer") == 5 and "TS[12] = t3;" in src and "TS[16 + warp] = tf;" in src

@@ -1,0 +1,128 @@
+"""Where a CUDA split kernel's time goes, per block: a copy of csrc/paged_decode.cu stamps %globaltimer at
+block start, before the main loop, at each warp's first data and loop end, and at block end.
+
+    PYTHONPATH=$PWD python3 scripts/decode_timeline.py --out $OUT/decode_timeline.json
+
+The stamps go to a buffer past mid_o (the probe's own), so the kernel's work is unchanged; its code is
+not: adding the stamps moves the compiler's schedule, so absolute times can differ from the shipped
+kernel by a few percent (the first-data stamp inside the loop once moved rk4v4-e8 D128's prologue from
+2.5 to 4.6 us). Eager launches, each after the previous one finished, page sets rotated as in the bench.
+Per case, medians over 20 calls of: span (first block start to last block end), prologue (start to the
+loop), first data (start to a warp's first stage), loop (median / slowest block), the spread of warps
+within a block, epilogue (a block's last warp to its end) and the spread of block ends.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from decode_ab import program_from, use  # noqa: E402
+from ninfer.bench.kernels import DecodeCase  # noqa: E402
+from ninfer.kernels import cuda_build  # noqa: E402
+from ninfer.kernels import paged_decode_cuda as pdc  # noqa: E402
+from ninfer.kernels._common import fmt_code  # noqa: E402
+from ninfer.kvcache.formats import get_format  # noqa: E402
+
+SLOTS = 32  # uint64 per block: 0 start, 1 loop start, 2..9 warp loop ends, 12 end, 13 SM, 16..23 first data
+STAMP = 'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"({}));'
+EDITS = [  # (anchor in paged_decode.cu, text put before it, text put after it)
+    ("  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;\n",
+     "  unsigned long long T0;\n  " + STAMP.format("T0") + "\n",
+     "  unsigned long long* TS = reinterpret_cast<unsigned long long*>(mid_o + (size_t)gridDim.z * hq * num_splits"
+     " * D) + 32 * ((size_t)(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x);\n"),
+    ("  int use_stage = 0;\n",
+     "  if (tid_all == 0) {\n    unsigned long long t1; unsigned smid;\n    " + STAMP.format("t1") +
+     '\n    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));\n    TS[0] = T0; TS[1] = t1; TS[13] = smid;\n  }\n', ""),
+    ("    cp_wait<NST - 2>();\n    __syncwarp();\n", "",
+     "    if (it == 0 && lane == 0) {\n      unsigned long long tf;\n      " + STAMP.format("tf") +
+     "\n      TS[16 + warp] = tf;\n    }\n"),
+    ("  cp_wait<0>();\n", "",
+     "  if (lane == 0) {\n    unsigned long long t2;\n    " + STAMP.format("t2") + "\n    TS[2 + warp] = t2;\n  }\n"),
+]
+
+
+def probe_source(dst: Path) -> None:
+    for f in cuda_build.CSRC.iterdir():
+        (dst / f.name).write_text(f.read_text())
+    src = (dst / "paged_decode.cu").read_text()
+    for anchor, before, after in EDITS:
+        if src.count(anchor) != 1:
+            raise SystemExit(f"decode_timeline: anchor not found once in paged_decode.cu: {anchor!r}")
+        src = src.replace(anchor, before + anchor + after)
+    # the block's end: after write_split returns (every thread), one more barrier, then the stamp
+    call = "  write_split<D, NW, ROT>("
+    if src.count(call) != 1:
+        raise SystemExit(f"decode_timeline: {call!r} not found once in paged_decode.cu")
+    call_end = src.index(";\n", src.index(call)) + 2
+    src = src[:call_end] + ("  __syncthreads();\n  if (tid_all == 0) {\n    unsigned long long t3;\n    " +
+                            STAMP.format("t3") + "\n    TS[12] = t3;\n  }\n") + src[call_end:]
+    (dst / "paged_decode.cu").write_text(src)
+
+
+def run_case(fmt: str, hq: int, hkv: int, d: int, ctx: int, calls: int) -> dict:
+    c = DecodeCase(fmt, hq, hkv, d, ctx, 1)
+    code = fmt_code(get_format(fmt))
+    cfg = pdc.default_cfg(code, d)
+    nw = cfg[0]
+    splits = pdc.cuda_num_splits(1, hkv, c.tables[0].shape[1], c.q.device, fmt, d, c.q.dtype, cfg)
+    nb = splits * hkv
+    buf = torch.zeros(hq * splits * d + nb * SLOTS * 2, dtype=torch.float32, device="cuda")
+    mid_o = buf[:hq * splits * d].view(hq, splits, d)
+    mid_lse = torch.empty(hq, splits, dtype=torch.float32, device="cuda")
+    res = []
+    for i in range(calls + 4):
+        pdc._paged_decode_cuda_split(c.q, c.kp[0], c.kp[1], c.vp[0], c.vp[1], c.tables[i % c.sets], c.seq_lens,
+                                     mid_o, mid_lse, code, c.scale, splits, cfg)
+        torch.cuda.synchronize()
+        if i < 4:  # warm-up
+            continue
+        ts = buf[hq * splits * d:].view(torch.int64).view(nb, SLOTS).cpu()
+        t0 = ts[:, 0]
+        base = int(t0.min())
+        t0, t1, t3 = t0 - base, ts[:, 1] - base, ts[:, 12] - base
+        t2, tf = ts[:, 2:2 + nw] - base, ts[:, 16:16 + nw] - base
+        loop = t2.max(1).values - t1
+        res.append({"span": int(t3.max()), "prologue": float((t1 - t0).float().median()),
+                    "first_data": float((tf - t0[:, None]).float().median()),
+                    "loop_median": float(loop.float().median()), "loop_slowest": int(loop.max()),
+                    "warp_spread": float((t2.max(1).values - t2.min(1).values).float().median()),
+                    "epilogue": float((t3 - t2.max(1).values).float().median()), "end_spread": int(t3.max() - t3.min())})
+    out = {k: statistics.median(r[k] for r in res) / 1000 for k in res[0]}  # ns -> us
+    return {"format": fmt, "geometry": f"{hq}q/{hkv}kv/D{d}", "ctx": ctx, "splits": splits, "blocks": nb, **out}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--formats", default="int8,rk4v4-e8")
+    p.add_argument("--ctx", default="32768,131072")
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        probe_source(Path(tmp))
+        use(program_from(Path(tmp)))
+        rows = [run_case(f, hq, hkv, d, int(ctx), a.calls) for hq, hkv, d in ((32, 8, 128), (24, 4, 256))
+                for f in a.formats.split(",") for ctx in a.ctx.split(",")]
+    keys = ["span", "prologue", "first_data", "loop_median", "loop_slowest", "warp_spread", "epilogue", "end_spread"]
+    print("| geometry | format | ctx | blocks | " + " | ".join(keys) + " |")
+    print("|---|---|---|---|" + "---|" * len(keys))
+    for r in rows:
+        print(f"| {r['geometry']} | {r['format']} | {r['ctx'] // 1024}K | {r['blocks']} | " +
+              " | ".join(f"{r[k]:.2f}" for k in keys) + " |")
+    if a.out:
+        Path(a.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "command": " ".join(sys.argv),
+                                           "unit": "us", "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
