@@ -10,6 +10,8 @@ kernel is checked against the float64 oracle, then timed as CUDA-graph replays i
 (the card's speed drifts over minutes); the table gives medians and new / old. Like the kernel
 bench, the calls of a replay rotate over page sets that together exceed the L2 four times, so no
 call finds the previous one's pages there (``--sets 1`` was this script's timing until stop 20).
+Sources older than the wrapper: ``--old-vpad`` (before stop 20: padded D128 V rows) and
+``--old-h64`` (before stop 21: rotated partials left in the H64 domain for the merge to rotate).
 """
 from __future__ import annotations
 
