@@ -3,11 +3,13 @@
     git show REV:ninfer/kernels/csrc/paged_decode.cu > OLD/paged_decode.cu   # and decode_ops.cuh
     PYTHONPATH=$PWD python3 scripts/decode_ab.py --old OLD --out $OUT/decode_ab.json
     PYTHONPATH=$PWD python3 scripts/decode_ab.py --old OLD --new NEW     # two variants, neither shipped
+    PYTHONPATH=$PWD python3 scripts/decode_ab.py --old OLD --new A,B,C --formats rk4v4-e8   # several at once
 
 Both sources are built with the same defines and launched through the same wrapper (the kernel's
 signature must match). Per case (format, geometry, context, batch; random valid pages), each
 kernel is checked against the float64 oracle, then timed as CUDA-graph replays in ABBA rounds
-(the card's speed drifts over minutes); the table gives medians and new / old. Like the kernel
+(the card's speed drifts over minutes; with several new sources each round runs them all, in
+alternating order); the table gives medians and each / old. Like the kernel
 bench, the calls of a replay rotate over page sets that together exceed the L2 four times, so no
 call finds the previous one's pages there (``--sets 1`` was this script's timing until stop 20).
 Sources older than the wrapper: ``--old-vpad`` (before stop 20: padded D128 V rows) and
@@ -57,7 +59,9 @@ def h64_merge(fmt_rotated: bool):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--old", required=True, help="directory with the old paged_decode.cu and decode_ops.cuh")
-    p.add_argument("--new", default=None, help="the same for the new one (default: the package's csrc/)")
+    p.add_argument("--new", default=None,
+                   help="the same for the new one (default: the package's csrc/); comma-separated for several")
+    p.add_argument("--formats", default="int8,rk4v4,rk4v4-e8")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--cases", default="32768:1,131072:1,131072:8", help="context:batch pairs")
     p.add_argument("--sets", type=int, default=0,
@@ -72,9 +76,15 @@ def main() -> int:
         size = pdc._cuda_smem_bytes
         pdc._cuda_smem_bytes = lambda key: size(key) + (key[3] * key[5] * key[4] * 16 if key[0] != 1 and key[1] == 128
                                                         and key[5] == 2 else 0)
-    progs = {"old": program_from(Path(a.old)), "new": program_from(Path(a.new)) if a.new else pdc._CUDA}
-    prebuild(("int8", "rk4v4", "rk4v4-e8"), (128, 256), (None,), progs.values())
-    cases = [(f, g, ctx, b) for g in ((32, 8, 128), (24, 4, 256)) for f in ("int8", "rk4v4", "rk4v4-e8")
+    news = a.new.split(",") if a.new else []
+    progs = {"old": program_from(Path(a.old))}
+    if len(news) <= 1:
+        progs["new"] = program_from(Path(news[0])) if news else pdc._CUDA
+    else:
+        progs.update((Path(n).name, program_from(Path(n))) for n in news)
+    formats = a.formats.split(",")
+    prebuild(formats, (128, 256), (None,), progs.values())
+    cases = [(f, g, ctx, b) for g in ((32, 8, 128), (24, 4, 256)) for f in formats
              for ctx, b in (tuple(int(x) for x in cb.split(":")) for cb in a.cases.split(","))]
     rows = []
     for fmt, (hq, hkv, d), ctx, bsz in cases:
@@ -93,18 +103,19 @@ def main() -> int:
             c.outs[0].fill_(float("nan"))
             call()
             row[f"rel_err_{name}"] = float((c.outs[0].double() - ref).norm() / ref.norm())
-        times = {"old": [], "new": []}
+        times = {name: [] for name in progs}
         for r in range(a.rounds):
-            for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
+            for name in (list(progs) if r % 2 == 0 else list(progs)[::-1]):
                 use(progs[name])
                 times[name].append(time_graph(calls, 60))
-        use(progs["new"])
+        use(progs[list(progs)[-1]])
         row.update({f"us_{k}": statistics.median(v) for k, v in times.items()}, runs=times)
-        row["new_over_old"] = row["us_new"] / row["us_old"]
+        for name in list(progs)[1:]:
+            row[f"{name}_over_old"] = row[f"us_{name}"] / row["us_old"]
         rows.append(row)
-        print(f"{fmt:9s} {row['geometry']:13s} ctx={ctx:6d} B={bsz}  old {row['us_old']:8.2f} us  "
-              f"new {row['us_new']:8.2f} us  new/old {row['new_over_old']:.3f}  "
-              f"rel_err {row['rel_err_old']:.2e} / {row['rel_err_new']:.2e}", flush=True)
+        print(f"{fmt:9s} {row['geometry']:13s} ctx={ctx:6d} B={bsz}  old {row['us_old']:8.2f} us  " + "  ".join(
+            f"{n} {row[f'us_{n}']:8.2f} us ({row[f'{n}_over_old']:.3f}, err {row[f'rel_err_{n}']:.2e})"
+            for n in list(progs)[1:]) + f"  old err {row['rel_err_old']:.2e}", flush=True)
         c = ref = None  # free the pool before the next case
         torch.cuda.empty_cache()
     if a.out:

@@ -8,7 +8,8 @@ not: adding the stamps moves the compiler's schedule, so absolute times can diff
 kernel by a few percent (the first-data stamp inside the loop once moved rk4v4-e8 D128's prologue from
 2.5 to 4.6 us). Eager launches, each after the previous one finished, page sets rotated as in the bench.
 Per case, medians over 20 calls of: span (first block start to last block end), prologue (start to the
-loop), first data (start to a warp's first stage), loop (median / slowest block), the spread of warps
+loop), first data (start to a warp's first stage), loop (median / slowest block), a warp's last chunk (its last stage's
+arrival to its loop end), the last stage's arrival and the last loop end over all blocks, the spread of warps
 within a block, epilogue (a block's last warp to its end) and the spread of block ends.
 """
 from __future__ import annotations
@@ -32,7 +33,8 @@ from ninfer.kernels import paged_decode_cuda as pdc  # noqa: E402
 from ninfer.kernels._common import fmt_code  # noqa: E402
 from ninfer.kvcache.formats import get_format  # noqa: E402
 
-SLOTS = 32  # uint64 per block: 0 start, 1 loop start, 2..9 warp loop ends, 12 end, 13 SM, 16..23 first data
+SLOTS = 32  # uint64 per block: 0 start, 1 loop start, 2..9 warp loop ends, 12 end, 13 SM, 16..23 first data,
+# 24..31 last data (each warp's last stage waited for)
 STAMP = 'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"({}));'
 EDITS = [  # (anchor in paged_decode.cu, text put before it, text put after it)
     ("  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;\n",
@@ -43,8 +45,8 @@ EDITS = [  # (anchor in paged_decode.cu, text put before it, text put after it)
      "  if (tid_all == 0) {\n    unsigned long long t1; unsigned smid;\n    " + STAMP.format("t1") +
      '\n    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));\n    TS[0] = T0; TS[1] = t1; TS[13] = smid;\n  }\n', ""),
     ("    cp_wait<NST - 2>();\n    __syncwarp();\n", "",
-     "    if (it == 0 && lane == 0) {\n      unsigned long long tf;\n      " + STAMP.format("tf") +
-     "\n      TS[16 + warp] = tf;\n    }\n"),
+     "    if ((it == 0 || it == my_n - 1) && lane == 0) {\n      unsigned long long tf;\n      " +
+     STAMP.format("tf") + "\n      TS[(it == 0 ? 16 : 24) + warp] = tf;\n    }\n"),
     ("  cp_wait<0>();\n", "",
      "  if (lane == 0) {\n    unsigned long long t2;\n    " + STAMP.format("t2") + "\n    TS[2 + warp] = t2;\n  }\n"),
 ]
@@ -89,11 +91,13 @@ def run_case(fmt: str, hq: int, hkv: int, d: int, ctx: int, calls: int) -> dict:
         t0 = ts[:, 0]
         base = int(t0.min())
         t0, t1, t3 = t0 - base, ts[:, 1] - base, ts[:, 12] - base
-        t2, tf = ts[:, 2:2 + nw] - base, ts[:, 16:16 + nw] - base
+        t2, tf, tl = ts[:, 2:2 + nw] - base, ts[:, 16:16 + nw] - base, ts[:, 24:24 + nw] - base
         loop = t2.max(1).values - t1
         res.append({"span": int(t3.max()), "prologue": float((t1 - t0).float().median()),
                     "first_data": float((tf - t0[:, None]).float().median()),
                     "loop_median": float(loop.float().median()), "loop_slowest": int(loop.max()),
+                    "last_chunk": float((t2 - tl).float().median()),
+                    "data_end": int(tl.max()), "loop_end": int(t2.max()),
                     "warp_spread": float((t2.max(1).values - t2.min(1).values).float().median()),
                     "epilogue": float((t3 - t2.max(1).values).float().median()), "end_spread": int(t3.max() - t3.min())})
     out = {k: statistics.median(r[k] for r in res) / 1000 for k in res[0]}  # ns -> us
@@ -112,7 +116,8 @@ def main() -> int:
         use(program_from(Path(tmp)))
         rows = [run_case(f, hq, hkv, d, int(ctx), a.calls) for hq, hkv, d in ((32, 8, 128), (24, 4, 256))
                 for f in a.formats.split(",") for ctx in a.ctx.split(",")]
-    keys = ["span", "prologue", "first_data", "loop_median", "loop_slowest", "warp_spread", "epilogue", "end_spread"]
+    keys = ["span", "prologue", "first_data", "loop_median", "loop_slowest", "last_chunk", "data_end", "loop_end",
+            "warp_spread", "epilogue", "end_spread"]
     print("| geometry | format | ctx | blocks | " + " | ".join(keys) + " |")
     print("|---|---|---|---|" + "---|" * len(keys))
     for r in rows:

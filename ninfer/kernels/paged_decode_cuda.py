@@ -1,20 +1,21 @@
 """CUDA C++ split kernel for paged decode (int8, rk4v4, rk4v4-e8; the fast path on NVIDIA GPUs).
 
 The Triton kernel in paged_decode.py is the portable path. On NVIDIA GPUs (sm_80+) the packed/int8 formats
-also have a CUDA C++ split kernel: mma.sync m16n8k16 with fragments built straight from the
-stored words (no shared-memory re-layout of a converted tile), per-warp cp.async pipelines and
-PTX bit tricks for the 4-bit -> fp16 conversion. It is compiled at first use (cuda_build.py: nvcc or NVRTC,
-cached cubin, driver API launch on torch's current stream, so CUDA graphs capture it).
-Layout facts the fragments rely on (docs/KERNELS.md has the derivation):
-* score MMA  S^T = K . Q^T : K is the A operand (16 tokens x 16 dims), Q^T the B operand;
-  thread (gi = lane/4, ti = lane%4) converts words 2ti, 2ti+1 of each group of tokens gi, gi+8;
-  word -> half2 pairs (nibble s, nibble s+4); Q is permuted to the same k order.
+also have a CUDA C++ split kernel: mma.sync tensor-core fragments built straight from the stored words (no
+shared-memory re-layout of a converted tile), per-warp cp.async pipelines and PTX bit tricks. It is compiled
+at first use (cuda_build.py: nvcc or NVRTC, cached cubin, driver API launch on torch's current stream, so
+CUDA graphs capture it). Layout facts the fragments rely on (docs/KERNELS.md has the derivation):
+* score MMA  S^T = K . Q^T : K is the A operand (16 tokens x k dims), Q^T the B operand. 4-bit formats:
+  int8 MMAs (m16n8k32) on the nibbles as u8 (thread (gi = lane/4, ti = lane%4) masks words 2ti, 2ti+1 of
+  tokens gi, gi+8 into their even / odd nibbles) against Q rounded to int8 per row and 64-group of the
+  rotated domain (scale max|q| / 127, like llama.cpp's q8 activations; the extra error is bounded in
+  tests/test_kernel_decode.py). int8 format: fp16 MMAs (m16n8k16) against fp16 Q.
 * output MMA O^T = V^T . P^T : V^T is the A operand (16 dims x 16 tokens); thread gi converts
-  word gi of each group of tokens 2ti, 2ti+1, 2ti+8, 2ti+9, pairing two tokens per half2 with
-  one prmt; P^T comes from the score accumulators by two movmatrix transposes.
-* E8: per word, parity fix of nibble 7 (one multiply) and the coset bit c folded into the fp16
-  conversion constants (p = n + c/2 exactly); V and K group scales: K per group accumulator,
-  V folded into P per group.
+  word gi of each group of tokens 2ti, 2ti+1, 2ti+8, 2ti+9 to fp16, pairing two tokens per half2 with
+  one prmt; P^T (fp16) comes from the score accumulators by two movmatrix transposes.
+* E8: per word, the coset bit c and the parity of nibbles 0..6 enter as features of one extra fp16 MMA
+  (K: a k-step, V: an m-tile), their bits counted by binary MMAs; K's group scale multiplies its
+  accumulator, V's is folded into P per group.
 """
 from __future__ import annotations
 
@@ -156,6 +157,18 @@ def cuda_num_splits(batch: int, num_kv_heads: int, max_pages: int, device: torch
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     s = (occ * _SM_COUNT[idx]) // max(1, batch * num_kv_heads)
     return int(max(1, min(s, max_pages, 512)))
+
+
+def cuda_q_as_rounded(q: torch.Tensor) -> torch.Tensor:
+    """Q as the CUDA kernel's 4-bit score MMAs see it (float64, natural basis): rotated per 64-group, rounded
+    to int8 with scale max|q| / 127 per row and group, rotated back. An oracle fed this Q measures the
+    kernel's own arithmetic; the rounding is the one approximation it adds (see the module docstring)."""
+    from ninfer.kvcache.hadamard import rotate
+    r = rotate(q.double())
+    g = r.reshape(*r.shape[:-1], r.shape[-1] // GROUP, GROUP)
+    sc = g.abs().amax(-1, keepdim=True) / 127
+    g = torch.where(sc > 0, torch.round(g / sc.clamp_min(1e-300)) * sc, torch.zeros_like(g))
+    return rotate(g.reshape(r.shape))
 
 
 def cuda_kernel_info(fmt_name: str, head_dim: int, device: torch.device, q_dtype=torch.bfloat16, cfg=None) -> dict:

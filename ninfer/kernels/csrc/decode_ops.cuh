@@ -62,30 +62,23 @@ __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_grou
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
-// 4-bit words as raw fp16 MMA operands. A word holds 8 offset-binary nibbles u_j (bits 4j..4j+3);
-// (w & 0x000f000f) | 0x6400 is the half2 (1024 + u_0, 1024 + u_4) and (w & 0x00f000f0) | 0x6400 is
-// (1024 + 16 u_1, 1024 + 16 u_5): one lop3 per two coordinates. K takes them as they are (Q / 16 for
-// odd nibbles and a per-row constant in the accumulator; the score accumulator lives for one
-// sub-chunk, so the bias costs no precision); V subtracts the bias first (one sub.f16x2, exact) since
-// its accumulators live for the whole split. The E8 lattice is out of the element path too: per word
-// (= E8 block, dims 8j + w) the coset bit c (stored as nibble 7's low bit) and the parity par of
-// nibbles 0..6 (nibble 7's true low bit) enter as two features of one extra MMA k-step (K) or one
-// extra m-tile (V). Stored nibble 7 = true - par + c and every coordinate gains c/2, so
-//   sum_d q_d k_d = sum_d q_d (u_d - 8) + sum_w [par_w q_7w + c_w (Qs_w / 2 - q_7w)]   (Qs_w = block sum).
-__device__ __forceinline__ void raw_word(uint32_t w, uint32_t* out) {  // (nib s, nib s+4), s = 0..3
-  const uint32_t y = w >> 8;
-  out[0] = lop_and_or(w, 0x000f000fu, 0x64006400u);
-  out[1] = lop_and_or(w, 0x00f000f0u, 0x64006400u);
-  out[2] = lop_and_or(y, 0x000f000fu, 0x64006400u);
-  out[3] = lop_and_or(y, 0x00f000f0u, 0x64006400u);
-}
-// Bit 28 = parity of the low bits of nibbles 0..6 (the multiply sums them into the top nibble).
-__device__ __forceinline__ uint32_t e8_par(uint32_t w) { return (w & 0x01111111u) * 0x11111111u; }
-// Bit 28 of a and of b as one half2 feature pair: bits 12 / 28, then (x & mask) | base.
-// mask 0x10001000: base 0 gives {0, 2^-11}; base 0x2C002C00 gives {1/16, 1}.
-__device__ __forceinline__ uint32_t feat2(uint32_t a, uint32_t b, uint32_t mask, uint32_t base) {
-  return lop_and_or(prmt(a, b, 0x7030u), mask, base);
-}
+// 4-bit words on the tensor cores. A word holds 8 offset-binary nibbles u_j (bits 4j..4j+3) of one E8
+// block (dims 8j + w of its 64-group).
+// - K: w & 0x0F0F0F0F and (w >> 4) & 0x0F0F0F0F are nibbles 0, 2, 4, 6 and 1, 3, 5, 7 as u8: the A
+//   operand of an int8 MMA against Q in int8 (per row and 64-group, see paged_decode.cu); -8 goes into
+//   the accumulator's start.
+// - V: (x & 0x000f000f) | 0x6400 is the half2 (1024 + u, ...) of two tokens' nibbles after a prmt, and
+//   (x & 0x00f000f0) | 0x6400 is 1024 + 16 u; the bias is subtracted first (one sub.f16x2, exact), since
+//   V's accumulators live for the whole split.
+// - E8: per word, the coset bit c (stored as nibble 7's low bit) and the parity par of nibbles 0..6
+//   (nibble 7's true low bit) enter as two features of one extra fp16 MMA k-step (K) or m-tile (V).
+//   Stored nibble 7 = true - par + c and every coordinate gains c/2, so
+//     sum_d q_d k_d = sum_d q_d (u_d - 8) + sum_w [par_w q_7w + c_w (Qs_w / 2 - q_7w)]   (Qs_w = block sum).
+//   c and the count of nibbles 0..6's low bits (par = its parity) come from binary MMAs (bmma_popc),
+//   so the tensor pipe counts bits instead of the integer pipe; (x & 0x10001000) | base makes a half2
+//   feature pair of bits 12 / 28: base 0 gives {0, 2^-11}, base 0x2C002C00 {1/16, 1}.
+// max that keeps a NaN (fmaxf drops it)
+__device__ __forceinline__ float fmax_nan(float a, float b) { return (a != a || a > b) ? a : b; }
 // Sign pattern s_i of the format's rotation R = S.H64.S: (-1)^parity((i & (i >> 1)) & 0b010101).
 __device__ __forceinline__ float rot_sign(int i) {
   return (__popc((i & (i >> 1)) & 0x15) & 1) ? -1.f : 1.f;
@@ -97,5 +90,25 @@ template <>
 __device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x); }
 template <>
 __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// Integer MMA m16n8k32: u8 A (the stored nibbles) times s8 B (Q in int8), s32 accumulators.
+__device__ __forceinline__ void imma16832(int* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                          uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// Binary MMA m16n8k256: d[i] += popc(A row AND B col) over 256 bits (sm_80+; BMMA.168256.AND.POPC).
+// With column 2m of B masking chunk m (32 bits) of a row and column 2m + 1 chunk 4 + m (B: b0 = mask
+// where gi == 2 ti, b1 = mask where gi == 2 ti + 1), each thread gets its own four registers' counts:
+// c = (popc(a0 & M), popc(a2 & M), popc(a1 & M), popc(a3 & M)).
+__device__ __forceinline__ void bmma_popc(int* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                          uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 
 }  // namespace nd

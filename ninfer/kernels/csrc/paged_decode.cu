@@ -5,15 +5,53 @@ namespace nd {
 
 // A split's partial from the warps' partials in shared memory (o_s [NW][8][D + 4], m_s / l_s [NW][8]):
 // out of line, so that it does not change how the compiler schedules the main loop. base = (first row
-// of the group) * num_splits + split. Rotated formats are rotated back here, per split (the merge is
-// linear): v = R.v per 64-group, R = S.H64.S / 8, through q_s [8][D] (Q's rows are dead by now).
+// of the group) * num_splits + split. Row r's warp weights are 2^(m_w - max) / den. Rotated formats are
+// rotated back here, per split (the merge is linear): a warp per (row, 64-group) merges the warps'
+// partials of dims lane, lane + 32 and applies R = S.H64.S / 8 with shuffles, with no pass through
+// shared memory and no barrier in between (the D256 epilogue took 2.4 us before: decode_timeline.py).
 template <int D, int NW, bool ROT>
-__device__ __noinline__ void write_split(const float* o_s, const float* m_s, const float* l_s, float* q_s,
+__device__ __noinline__ void write_split(const float* o_s, const float* m_s, const float* l_s,
                                          float* __restrict__ mid_o, float* __restrict__ mid_lse, int64_t base,
                                          int group, int num_splits) {
   constexpr int G = D / 64, OS = D + 4;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  __shared__ float f_s[NW][8];  // per row: the warps' weights 2^(m_w - max) / den, computed once
+  if (ROT) {
+    for (int p = warp; p < group * G; p += NW) {
+      const int r = p / G, g = p % G;
+      float mx = -INFINITY, den = 0.f, f[NW];
+#pragma unroll
+      for (int w = 0; w < NW; ++w) mx = fmaxf(mx, m_s[w * 8 + r]);
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        f[w] = mx == -INFINITY ? 0.f : exp2f(m_s[w * 8 + r] - mx);
+        den += f[w] * l_s[w * 8 + r];
+      }
+      const float inv = den > 0.f ? 0.125f / den : 0.f;  // and R's 1/8
+      float v0 = 0.f, v1 = 0.f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        v0 += f[w] * o_s[(w * 8 + r) * OS + 64 * g + lane];
+        v1 += f[w] * o_s[(w * 8 + r) * OS + 64 * g + 32 + lane];
+      }
+      v0 *= inv * rot_sign(lane);
+      v1 *= inv * rot_sign(lane + 32);
+      const float x = v0 + v1;
+      v1 = v0 - v1;
+      v0 = x;
+#pragma unroll
+      for (int lb = 1; lb < 32; lb <<= 1) {  // the Walsh-Hadamard butterflies of bits 0..4 (bit 5 above)
+        const float o0 = __shfl_xor_sync(0xffffffffu, v0, lb), o1 = __shfl_xor_sync(0xffffffffu, v1, lb);
+        v0 = (lane & lb) ? o0 - v0 : v0 + o0;
+        v1 = (lane & lb) ? o1 - v1 : v1 + o1;
+      }
+      float* po = mid_o + (base + (int64_t)r * num_splits) * D + 64 * g;
+      po[lane] = v0 * rot_sign(lane);
+      po[lane + 32] = v1 * rot_sign(lane + 32);
+      if (g == 0 && lane == 0) mid_lse[base + (int64_t)r * num_splits] = den > 0.f ? mx + log2f(den) : -INFINITY;
+    }
+    return;
+  }
+  __shared__ float f_s[NW][8];  // per row: the warps' weights, computed once
   __shared__ float lse_s[8];
   if (tid < 8) {
     const int r = tid;
@@ -33,27 +71,8 @@ __device__ __noinline__ void write_split(const float* o_s, const float* m_s, con
     float v = 0.f;
 #pragma unroll
     for (int w = 0; w < NW; ++w) v += f_s[w][r] * o_s[(w * 8 + r) * OS + d];
-    if (ROT) q_s[r * D + d] = v;
-    else mid_o[(base + (int64_t)r * num_splits) * D + d] = v;
+    mid_o[(base + (int64_t)r * num_splits) * D + d] = v;
     if (d == 0) mid_lse[base + (int64_t)r * num_splits] = lse_s[r];
-  }
-  if (!ROT) return;
-  __syncthreads();
-  for (int p = warp; p < group * G; p += NW) {  // one warp per (row, group): dims lane, lane + 32
-    const int r = p / G, g = p % G;
-    float v0 = q_s[r * D + 64 * g + lane] * rot_sign(lane), v1 = q_s[r * D + 64 * g + 32 + lane] * rot_sign(lane + 32);
-    const float x = v0 + v1;
-    v1 = v0 - v1;
-    v0 = x;
-#pragma unroll
-    for (int lb = 1; lb < 32; lb <<= 1) {  // the Walsh-Hadamard butterflies of bits 0..4 (bit 5 above)
-      const float o0 = __shfl_xor_sync(0xffffffffu, v0, lb), o1 = __shfl_xor_sync(0xffffffffu, v1, lb);
-      v0 = (lane & lb) ? o0 - v0 : v0 + o0;
-      v1 = (lane & lb) ? o1 - v1 : v1 + o1;
-    }
-    float* po = mid_o + (base + (int64_t)r * num_splits) * D + 64 * g;
-    po[lane] = v0 * 0.125f * rot_sign(lane);
-    po[lane + 32] = v1 * 0.125f * rot_sign(lane + 32);
   }
 }
 
@@ -90,10 +109,12 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
   // 128-byte aligned: the stages' base sits after the static arrays below, and a base 16 bytes off
   // (16 more bytes of static smem) made every format 9-17% slower (H200, docs/KERNELS.md).
   extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ float q_s[8][D];
+  __shared__ float q_s[8][ROT ? 1 : D];  // int8: Q in fp32
   __shared__ float m_s[NW][8];
   __shared__ float l_s[NW][8];
-  __shared__ float c_s[8][G];            // 4-bit: score accumulator's initial value per (row, group)
+  __shared__ float c_s[8][G];            // 4-bit: the float score accumulator's initial value per (row, group)
+  __shared__ float qsc_s[8][G];          // 4-bit: Q's int8 scale per (row, group)
+  __shared__ __align__(16) int8_t q8_s[8][ROT ? D : 16];  // 4-bit: Q in int8, in the score MMAs' fragment order
   __shared__ __half wf_s[8][G][16];      // rk4v4-e8: feature weights (c: words 0..7, par: 8..15)
 
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
@@ -171,8 +192,10 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
 
   // Q's loads go out before the first stages' copies (behind them in the memory queue they cost ~10%
   // of a batch-1 decode: ncu, 2026-11-30); the copies are in flight while Q is prepared.
-  static_assert(8 % NW == 0 && (8 * D) % (NW * 32) == 0, "Q rows per warp / elements per thread");
-  constexpr int QPT = ROT ? (8 / NW) * (D / 32) : 8 * D / (NW * 32);  // Q elements per thread
+  // rotated: Q rows per warp (8 rows; with more than 8 warps, warps 8.. take none)
+  constexpr int QR = (8 + NW - 1) / NW;
+  static_assert(NW > 8 || 8 % NW == 0, "Q rows per warp");
+  constexpr int QPT = ROT ? QR * (D / 32) : (8 * D + NW * 32 - 1) / (NW * 32);  // Q elements per thread
   QT qraw[QPT];
 #pragma unroll
   for (int i = 0; i < QPT; ++i) {
@@ -186,16 +209,19 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
 
   // ---- Q: the group's rows in fp32. Rotated formats: one warp per row rotates it by R = S.H64.S / 8
   // with shuffles (lane l holds dims QV*l .. QV*l + QV-1) and derives the score MMA's constants.
-  // The MMA sees q as qh = fp16(q / sc) against 1024 + sc * u (sc = 16 for odd nibbles j), so a
-  // group's accumulator starts at -sum(1024 qh + 8 qe) (qe = sc * qh, what multiplies u); E8 adds the
-  // feature weights (Qs_w / 2 - q7_w, q7_w) * 16/15 (features are 1/16 + 15/16 bit) and their 1/16 part.
+  // 4-bit K meets Q on the int8 tensor cores: per row and 64-group, q8 = rint(q * 127 / max|q|) against
+  // the stored nibbles u as u8, so the integer accumulator starts at -8 sum(q8) and the score is
+  // qsc * acc with qsc = max|q| / 127 (plus the float part below). E8's feature k-step stays fp16:
+  // weights (Qs_w / 2 - q7_w, q7_w) * 16/15 of qe = qsc * q8 (features are 1/16 + 15/16 bit), whose
+  // 1/16 part starts the float accumulator.
   const float qmul = ROT ? 0.125f : 1.f;
   if (ROT) {
     constexpr int QV = D / 32;          // dims per lane; dim bits 3..5 (nibble j) = lane bits below
     constexpr int JL = 8 / QV;          // lane xor of dim bit 3
 #pragma unroll
-    for (int rr = 0; rr < 8 / NW; ++rr) {
+    for (int rr = 0; rr < QR; ++rr) {
       const int r = warp + rr * NW;
+      if (NW > 8 && r >= 8) continue;  // warp-uniform
       float v[QV];
 #pragma unroll
       for (int i = 0; i < QV; ++i) {
@@ -218,16 +244,28 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
           const float o_ = __shfl_xor_sync(0xffffffffu, v[i], lb);
           v[i] = (lane & lb) ? o_ - v[i] : v[i] + o_;
         }
-      float csum = 0.f;
+      constexpr int LG = 64 / QV;  // lanes per 64-group: lane bits below log2(LG)
+      float amax = 0.f;
 #pragma unroll
       for (int i = 0; i < QV; ++i) {
         const int d = QV * lane + i;
-        const bool odd = (d >> 3) & 1;
         v[i] *= qmul * rot_sign(d & 63);
-        q_s[r][d] = v[i];
-        const float qh = __half2float(__float2half_rn(v[i] * (odd ? 0.0625f : 1.f)));
-        const float qe = odd ? qh * 16.f : qh;
-        csum -= 1024.f * qh + 8.f * qe;
+        amax = fmax_nan(amax, fabsf(v[i]));
+      }
+#pragma unroll
+      for (int m = 1; m < LG; m <<= 1) amax = fmax_nan(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+      // a NaN or inf in q makes qsc NaN or inf, so the scores (qsc * acc) carry it to the output
+      const float qinv = amax > 0.f && amax < INFINITY ? 127.f / amax : 0.f, qsc = amax * (1.f / 127.f);
+      float csum = 0.f;
+      int isum = 0;
+#pragma unroll
+      for (int i = 0; i < QV; ++i) {
+        const int d = QV * lane + i;
+        const int q8 = __float2int_rn(v[i] * qinv);
+        // byte j of fragment word (g, h, b, ti): dim 64 g + 16 j + 8 b + 2 ti + h (see below)
+        q8_s[r][(((d >> 6) * 2 + (d & 1)) * 2 + ((d >> 3) & 1)) * 16 + ((d >> 1) & 3) * 4 + ((d >> 4) & 3)] = (int8_t)q8;
+        isum += q8;
+        const float qe = qsc * (float)q8;
         if (FMT == 3) {
           float qs = qe;  // block sum over the 8 nibbles j of word w = d % 8
 #pragma unroll
@@ -243,21 +281,27 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
         }
       }
 #pragma unroll
-      for (int m = 1; m < 64 / QV; m <<= 1) csum += __shfl_xor_sync(0xffffffffu, csum, m);
-      if ((lane & (64 / QV - 1)) == 0) c_s[r][lane / (64 / QV)] = csum;
+      for (int m = 1; m < LG; m <<= 1) {
+        csum += __shfl_xor_sync(0xffffffffu, csum, m);
+        isum += __shfl_xor_sync(0xffffffffu, isum, m);
+      }
+      if ((lane & (LG - 1)) == 0) {  // the integer accumulator starts at 0: its -8 sum(q8) goes here
+        c_s[r][lane / LG] = csum - 8.f * qsc * (float)isum;
+        qsc_s[r][lane / LG] = qsc;
+      }
     }
   } else {
 #pragma unroll
     for (int i = 0; i < QPT; ++i) {
       const int r = (tid_all + i * NW * 32) / D, d = (tid_all + i * NW * 32) % D;
-      q_s[r][d] = r < group ? to_f<QT>(qraw[i]) : 0.f;
+      if (NW * 32 * QPT == 8 * D || r < 8) q_s[r][d] = r < group ? to_f<QT>(qraw[i]) : 0.f;
     }
   }
   __syncthreads();
-  // B fragments of Q^T for the score MMA: per k-step 2 regs (row n = gi).
-  uint32_t qb[KSTEPS][2];
+  // int8: B fragments of Q^T for the score MMA, per k-step 2 regs (row n = gi).
+  uint32_t qb[ROT ? 1 : KSTEPS][2];
 #pragma unroll
-  for (int ks_ = 0; ks_ < KSTEPS; ++ks_) {
+  for (int ks_ = 0; ks_ < (ROT ? 0 : KSTEPS); ++ks_) {
     int g = ks_ / 4, s = ks_ % 4;
     int d00, d01, d10, d11;
     if (FMT == 1) {  // int8: k=2ti+h -> byte 16ti+4s+h; k=2ti+8+h -> byte 16ti+4s+2+h
@@ -275,13 +319,24 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
     qb[ks_][0] = pack_half2(q_s[gi][d00] * inv, q_s[gi][d01] * inv);
     qb[ks_][1] = pack_half2(q_s[gi][d10] * inv, q_s[gi][d11] * inv);
   }
-  // 4-bit: score accumulator init per group (rows 2ti, 2ti+1) and the E8 feature k-step's B fragment.
-  float cin[G][2];
+  // 4-bit: the int8 score MMAs' B fragments per group: MMA h takes words 2ti + h of the tokens (A: the
+  // word's low nibbles, bytes j = nibble 2j, then its high ones), so b0 = q8 of dims 16j + 2ti + h and
+  // b1 = dims 16j + 8 + 2ti + h (j = 0..3; row n = gi). Then per group (rows 2ti, 2ti + 1) the
+  // accumulators' initial values, Q's scale and the E8 feature k-step's B fragment.
+  uint32_t qi[ROT ? G : 1][2][2];
+  float cin[G][2], qsc[G][2];
   uint32_t qf[G][2];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
+#pragma unroll
+    for (int h = 0; h < (ROT ? 2 : 0); ++h)
+#pragma unroll
+      for (int b = 0; b < 2; ++b)
+        qi[g][h][b] = *reinterpret_cast<const uint32_t*>(&q8_s[gi][((g * 2 + h) * 2 + b) * 16 + ti * 4]);
     cin[g][0] = ROT ? c_s[2 * ti][g] : 0.f;
     cin[g][1] = ROT ? c_s[2 * ti + 1][g] : 0.f;
+    qsc[g][0] = ROT ? qsc_s[2 * ti][g] : 0.f;
+    qsc[g][1] = ROT ? qsc_s[2 * ti + 1][g] : 0.f;
     qf[g][0] = FMT == 3 ? *reinterpret_cast<const uint32_t*>(&wf_s[gi][g][2 * ti]) : 0u;
     qf[g][1] = FMT == 3 ? *reinterpret_cast<const uint32_t*>(&wf_s[gi][g][8 + 2 * ti]) : 0u;
   }
@@ -300,6 +355,9 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
   // is already in k_at(t, 0)), and f depends on t's low 3 bits only. So each thread keeps one K base
   // (row gi) and two V bases (rows 2ti, 2ti + 1; rows + 8 and later sub-chunks share them).
   const int kbase = k_at(gi, 0) + ti * 8;
+  // BMMA B columns = words: chunk ti of a row holds word 2ti, chunk 4 + ti word 2ti + 1 (see the K phase)
+  const uint32_t bm_c0 = gi == 2 * ti ? 0x10000000u : 0u, bm_c1 = gi == 2 * ti + 1 ? 0x10000000u : 0u;
+  const uint32_t bm_s0 = gi == 2 * ti ? 0x01111111u : 0u, bm_s1 = gi == 2 * ti + 1 ? 0x01111111u : 0u;
   const int vbase0 = k_at(2 * ti, 0) + gi * 4, vbase1 = k_at(2 * ti + 1, 0) + gi * 4;
 
   int use_stage = 0;
@@ -324,6 +382,7 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         float acc[4] = {cin[g][0], cin[g][1], cin[g][0], cin[g][1]};
+        int ai[4];  // 4-bit: the integer score accumulator
         if (FMT == 1) {
           const int ch = 4 * g + ti;
           uint4 wa = *reinterpret_cast<const uint4*>(sk + k_at(ta, ch));
@@ -343,20 +402,27 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
           const uint8_t* pk = sk + (kbase ^ (g << 5)) + sub * 16 * RB;
           uint2 wa = *reinterpret_cast<const uint2*>(pk);
           uint2 wb = *reinterpret_cast<const uint2*>(pk + 8 * RB);
-          uint32_t ra0[4], ra1[4], rb0[4], rb1[4];
-          raw_word(wa.x, ra0);
-          raw_word(wa.y, ra1);
-          raw_word(wb.x, rb0);
-          raw_word(wb.y, rb1);
-#pragma unroll
-          for (int s = 0; s < 4; ++s)
-            mma16816(acc, ra0[s], rb0[s], ra1[s], rb1[s], qb[g * 4 + s][0], qb[g * 4 + s][1]);
+          ai[0] = ai[1] = ai[2] = ai[3] = 0;
+          const uint32_t m4 = 0x0F0F0F0Fu;  // a word's nibbles 0, 2, 4, 6 (then 1, 3, 5, 7) as bytes
+          imma16832(ai, wa.x & m4, wb.x & m4, (wa.x >> 4) & m4, (wb.x >> 4) & m4, qi[g][0][0], qi[g][0][1]);
+          imma16832(ai, wa.y & m4, wb.y & m4, (wa.y >> 4) & m4, (wb.y >> 4) & m4, qi[g][1][0], qi[g][1][1]);
           if (FMT == 3) {  // k = 2ti + h: c of word 2ti + h; k = 2ti + 8 + h: its par
             const uint32_t one16 = 0x2C002C00u, bit = 0x10001000u;
-            mma16816(acc, feat2(wa.x, wa.y, bit, one16), feat2(wb.x, wb.y, bit, one16),
-                     feat2(e8_par(wa.x), e8_par(wa.y), bit, one16), feat2(e8_par(wb.x), e8_par(wb.y), bit, one16),
-                     qf[g][0], qf[g][1]);
+            // bit counts of the words as loaded (bmma_popc): p[0..3] = (ta, 2ti), (tb, 2ti), (ta, 2ti + 1),
+            // (tb, 2ti + 1) as (token, word); pc = c (bit 28), ps = nibbles 0..6's low bits (parity = par)
+            int pc[4] = {0, 0, 0, 0}, ps[4] = {0, 0, 0, 0};
+            bmma_popc(pc, wa.x, wa.y, wb.x, wb.y, bm_c0, bm_c1);
+            bmma_popc(ps, wa.x, wa.y, wb.x, wb.y, bm_s0, bm_s1);
+            const uint32_t f0 = (uint32_t)pc[2] * 0x10000000u + ((uint32_t)pc[0] * 0x1000u + one16);
+            const uint32_t f1 = (uint32_t)pc[3] * 0x10000000u + ((uint32_t)pc[1] * 0x1000u + one16);
+            const uint32_t f2 = lop_and_or((uint32_t)ps[2] * 0x10000000u + (uint32_t)ps[0] * 0x1000u, bit, one16);
+            const uint32_t f3 = lop_and_or((uint32_t)ps[3] * 0x10000000u + (uint32_t)ps[1] * 0x1000u, bit, one16);
+            mma16816(acc, f0, f1, f2, f3, qf[g][0], qf[g][1]);
           }
+        }
+        if (FMT != 1) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[i] = fmaf(qsc[g][i & 1], (float)ai[i], acc[i]);
         }
         float sa = __half2float(sks[ta * G + g]), sb = __half2float(sks[tb * G + g]);
         tot[0] += sa * acc[0];
@@ -479,10 +545,12 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
             mma16816(o[g * 4 + qq], a0, a1, a2, a3, b0, b1);
             if (qq == 3) c01 = x01, c89 = x89;
           }
-          if (FMT == 3) {  // = feat2(w[0], w[1], bit, 0) etc. for the coset features, without the prmt
+          if (FMT == 3) {  // c: bits 12 / 28 of byte 3's pair above; par: bit counts as in K
             const uint32_t bit = 0x10001000u;
-            mma16816(vf[g], c01 & bit, feat2(e8_par(w[0]), e8_par(w[1]), bit, 0u), c89 & bit,
-                     feat2(e8_par(w[2]), e8_par(w[3]), bit, 0u), b0, b1);
+            int ps[4] = {0, 0, 0, 0};  // nibbles 0..6's low bits of w[0], w[2], w[1], w[3]
+            bmma_popc(ps, w[0], w[1], w[2], w[3], bm_s0, bm_s1);
+            mma16816(vf[g], c01 & bit, lop_and_or((uint32_t)ps[2] * 0x10000000u + (uint32_t)ps[0] * 0x1000u, bit, 0u),
+                     c89 & bit, lop_and_or((uint32_t)ps[3] * 0x10000000u + (uint32_t)ps[1] * 0x1000u, bit, 0u), b0, b1);
           }
         }
       }
@@ -545,7 +613,7 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
     base[(2 * ti + 1) * OS + d1] = o[mt][3];
   }
   __syncthreads();
-  write_split<D, NW, ROT>(o_s, &m_s[0][0], &l_s[0][0], &q_s[0][0], mid_o, mid_lse,
+  write_split<D, NW, ROT>(o_s, &m_s[0][0], &l_s[0][0], mid_o, mid_lse,
                           ((int64_t)b * hq + h0) * num_splits + split, group, num_splits);
 }
 
