@@ -210,10 +210,10 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
   // ---- Q: the group's rows in fp32. Rotated formats: one warp per row rotates it by R = S.H64.S / 8
   // with shuffles (lane l holds dims QV*l .. QV*l + QV-1) and derives the score MMA's constants.
   // 4-bit K meets Q on the int8 tensor cores: per row and 64-group, q8 = rint(q * 127 / max|q|) against
-  // the stored nibbles u as u8, so the integer accumulator starts at -8 sum(q8) and the score is
-  // qsc * acc with qsc = max|q| / 127 (plus the float part below). E8's feature k-step stays fp16:
-  // weights (Qs_w / 2 - q7_w, q7_w) * 16/15 of qe = qsc * q8 (features are 1/16 + 15/16 bit), whose
-  // 1/16 part starts the float accumulator.
+  // the stored nibbles u as u8; the integer accumulator starts at 0 and the score is qsc * acc plus a
+  // float accumulator (qsc = max|q| / 127) that starts at -8 qsc sum(q8) (the nibbles' offset). E8's
+  // feature k-step stays fp16: weights (Qs_w / 2 - q7_w, q7_w) * 16/15 of qe = qsc * q8 (features are
+  // 1/16 + 15/16 bit), whose 1/16 part joins the float accumulator's start.
   const float qmul = ROT ? 0.125f : 1.f;
   if (ROT) {
     constexpr int QV = D / 32;          // dims per lane; dim bits 3..5 (nibble j) = lane bits below
@@ -355,7 +355,7 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
   // is already in k_at(t, 0)), and f depends on t's low 3 bits only. So each thread keeps one K base
   // (row gi) and two V bases (rows 2ti, 2ti + 1; rows + 8 and later sub-chunks share them).
   const int kbase = k_at(gi, 0) + ti * 8;
-  // BMMA B columns = words: chunk ti of a row holds word 2ti, chunk 4 + ti word 2ti + 1 (see the K phase)
+  // bmma_popc's B columns (decode_ops.cuh): each lane gets the bit counts of its own four registers
   const uint32_t bm_c0 = gi == 2 * ti ? 0x10000000u : 0u, bm_c1 = gi == 2 * ti + 1 ? 0x10000000u : 0u;
   const uint32_t bm_s0 = gi == 2 * ti ? 0x01111111u : 0u, bm_s1 = gi == 2 * ti + 1 ? 0x01111111u : 0u;
   const int vbase0 = k_at(2 * ti, 0) + gi * 4, vbase1 = k_at(2 * ti + 1, 0) + gi * 4;
