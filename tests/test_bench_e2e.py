@@ -168,3 +168,14 @@ def test_random_checkpoint_loads_and_matches_transformers(tmp_path: Path) -> Non
         ref = hf(ids[None]).logits[0].float()
     assert torch.isfinite(logits).all() and logits.std() > 0
     torch.testing.assert_close(logits, ref, atol=2e-4, rtol=2e-4)
+
+
+def test_kernel_bench_replays_cycle_sets_to_min_calls() -> None:
+    # every format's replay holds >= MIN_CALLS calls (the first call's extra cost is shared alike), each
+    # set equally often and read again only after all the others
+    from ninfer.bench.kernels import MIN_CALLS, replay_sets
+    for sets in range(1, 20):
+        order = replay_sets(sets)
+        assert len(order) >= MIN_CALLS and len(order) < MIN_CALLS + sets
+        assert all(order.count(s) == len(order) // sets for s in range(sets)) and len(order) % sets == 0
+        assert all(order[i] == i % sets for i in range(len(order)))

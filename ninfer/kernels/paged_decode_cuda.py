@@ -83,7 +83,7 @@ def _cuda_smem_bytes(key: tuple) -> int:
     g = d // GROUP
     rb = d if fmt_c == 1 else d // 2
     stage = chunk * (2 * rb + 4 * g)
-    return max(nw * nst * stage, nw * 8 * (d + 4) * 4)  # the stages, or the padded partial outputs
+    return max(nw * nst * stage, nw * 8 * (d + 4) * 4)  # the stages, or the padded partial outputs (int8 pads by 1)
 
 
 def cuda_decode_unsupported(fmt_name: str, device: torch.device, q_dtype: torch.dtype, head_dim: int,

@@ -13,7 +13,7 @@ template <int D, int NW, bool ROT>
 __device__ __noinline__ void write_split(const float* o_s, const float* m_s, const float* l_s,
                                          float* __restrict__ mid_o, float* __restrict__ mid_lse, int64_t base,
                                          int group, int num_splits) {
-  constexpr int G = D / 64, OS = D + 4;
+  constexpr int G = D / 64, OS = ROT ? D + 4 : D + 1;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   if (ROT) {
     for (int p = warp; p < group * G; p += NW) {
@@ -66,13 +66,16 @@ __device__ __noinline__ void write_split(const float* o_s, const float* m_s, con
     lse_s[r] = den > 0.f ? mx + log2f(den) : -INFINITY;
   }
   __syncthreads();
-  for (int i = tid; i < group * D; i += NW * 32) {
-    const int r = i / D, d = i % D;
-    float v = 0.f;
 #pragma unroll
-    for (int w = 0; w < NW; ++w) v += f_s[w][r] * o_s[(w * 8 + r) * OS + d];
-    mid_o[(base + (int64_t)r * num_splits) * D + d] = v;
-    if (d == 0) mid_lse[base + (int64_t)r * num_splits] = lse_s[r];
+  for (int k = 0; k < (8 * D + NW * 32 - 1) / (NW * 32); ++k) {  // a fixed trip count: loads overlap
+    const int i = tid + k * NW * 32, r = i / D, d = i % D;
+    if (r < group) {
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) v += f_s[w][r] * o_s[(w * 8 + r) * OS + d];
+      mid_o[(base + (int64_t)r * num_splits) * D + d] = v;
+      if (d == 0) mid_lse[base + (int64_t)r * num_splits] = lse_s[r];
+    }
   }
 }
 
@@ -586,8 +589,11 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
     l_r[1] += __shfl_xor_sync(0xffffffffu, l_r[1], off);
   }
   __syncthreads();  // every warp is done with its stages: reuse smem for the partial outputs
-  // [NW][8][OS]: rows padded by 4 floats so the 4 rows a warp's lanes store to sit in different banks
-  constexpr int OS = D + 4;
+  // [NW][8][OS]: padded rows. 4-bit (rows 2ti, 2ti + 1, dims 16 mt + gi): by 4 floats, so the 4 rows a
+  // warp's lanes store to sit in different banks. int8 (dims 64 g + 8 gi + 2 qq): by 1, which makes
+  // its stores 2-way conflicted; by 4 they were 8-way (int8's epilogue 4.0 -> 2.2 us at D256, 128K:
+  // decode_timeline.py, H200, 2026-11-30)
+  constexpr int OS = ROT ? D + 4 : D + 1;
   float* o_s = reinterpret_cast<float*>(smem);
   if (gi == 0) {
     m_s[warp][2 * ti] = m_r[0];
