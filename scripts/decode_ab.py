@@ -30,19 +30,13 @@ import torch  # noqa: E402
 
 from decode_probe import prebuild  # noqa: E402
 from ninfer.bench.kernels import DecodeCase, time_graph  # noqa: E402
-from ninfer.kernels import cuda_build  # noqa: E402
 from ninfer.kernels.decode_reduce import decode_reduce  # noqa: E402
 from ninfer.kernels import paged_decode as pd  # noqa: E402
 from ninfer.kernels import paged_decode_cuda as pdc  # noqa: E402
 
 
 def program_from(src_dir: Path) -> pdc._CudaDecode:
-    saved = cuda_build.CSRC
-    cuda_build.CSRC = src_dir
-    try:
-        return pdc._CudaDecode()
-    finally:
-        cuda_build.CSRC = saved
+    return pdc._CudaDecode(src_dir)
 
 
 def use(prog) -> None:

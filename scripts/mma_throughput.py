@@ -83,11 +83,7 @@ def main() -> int:
         for name in ("decode_ops.cuh", "rtc_compat.cuh"):
             (Path(tmp) / name).write_text((cuda_build.CSRC / name).read_text())
         (Path(tmp) / "mma_throughput.cu").write_text(SRC)
-        saved, cuda_build.CSRC = cuda_build.CSRC, Path(tmp)
-        try:
-            prog = cuda_build.CudaProgram("mma_throughput.cu", ("rtc_compat.cuh", "decode_ops.cuh"), "k0")
-        finally:
-            cuda_build.CSRC = saved
+        prog = cuda_build.CudaProgram("mma_throughput.cu", ("rtc_compat.cuh", "decode_ops.cuh"), "k0", Path(tmp))
         for op, name in enumerate(NAMES):
             for warps in (8, 16):
                 _mod, fn, _smem, _occ, _regs = prog.load({}, dev, 0, warps * 32, entry=f"k{op}")

@@ -123,8 +123,9 @@ def capture_graph(calls: list[Callable[[], object]]):
 
 
 # A timed replay holds at least this many calls, whatever the format's page sets: a replay's first
-# call costs ~3 us more than the calls after it (H200, docs/BENCHMARKS.md "stop 23"), which a graph of
-# one call (int8 or SDPA at 128K) charged in full and a graph of two (rk4v4-e8) by half.
+# call costs ~3 us more than the calls after it (H200; docs/BENCHMARKS.md, stop 22, "How the bench's
+# one or two calls per replay weigh on the ratio"), which a graph of one call (int8 or SDPA at 128K)
+# charged in full and a graph of two (rk4v4-e8) by half.
 MIN_CALLS = 8
 
 

@@ -58,8 +58,8 @@ def _key(code: int, head_dim: int, q_dtype, cfg=None) -> tuple:
 class _CudaDecode(CudaProgram):
     """The split kernel, one module per (format, head dim, q dtype, cfg) key."""
 
-    def __init__(self) -> None:
-        super().__init__("paged_decode.cu", ("rtc_compat.cuh", "decode_ops.cuh"), "nd_decode")
+    def __init__(self, src_dir: Path | None = None) -> None:
+        super().__init__("paged_decode.cu", ("rtc_compat.cuh", "decode_ops.cuh"), "nd_decode", src_dir)
 
     @staticmethod
     def defs(key: tuple) -> dict:
@@ -83,7 +83,7 @@ def _cuda_smem_bytes(key: tuple) -> int:
     g = d // GROUP
     rb = d if fmt_c == 1 else d // 2
     stage = chunk * (2 * rb + 4 * g)
-    return max(nw * nst * stage, nw * 8 * (d + 4) * 4)  # the stages, or the padded partial outputs (int8 pads by 1)
+    return max(nw * nst * stage, nw * 8 * (d + 4) * 4)  # the stages, or the partials (rows padded: 4 floats, int8 1)
 
 
 def cuda_decode_unsupported(fmt_name: str, device: torch.device, q_dtype: torch.dtype, head_dim: int,

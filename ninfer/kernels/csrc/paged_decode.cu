@@ -3,7 +3,14 @@
 
 namespace nd {
 
-// A split's partial from the warps' partials in shared memory (o_s [NW][8][D + 4], m_s / l_s [NW][8]):
+// The warps' partial outputs in shared memory, o_s [NW][8][part_stride]: padded rows. 4-bit (rows 2ti,
+// 2ti + 1, dims 16 mt + gi): by 4 floats, so the 4 rows a warp's lanes store to sit in different banks.
+// int8 (dims 64 g + 8 gi + 2 qq): by 1, which makes its stores 2-way conflicted; by 4 they were 8-way
+// (int8's epilogue 4.0 -> 2.2 us at D256, 128K: decode_timeline.py, H200, 2026-11-30).
+template <int D, bool ROT>
+constexpr int part_stride = ROT ? D + 4 : D + 1;
+
+// A split's partial from the warps' partials in shared memory (o_s as above, m_s / l_s [NW][8]):
 // out of line, so that it does not change how the compiler schedules the main loop. base = (first row
 // of the group) * num_splits + split. Row r's warp weights are 2^(m_w - max) / den. Rotated formats are
 // rotated back here, per split (the merge is linear): a warp per (row, 64-group) merges the warps'
@@ -13,7 +20,7 @@ template <int D, int NW, bool ROT>
 __device__ __noinline__ void write_split(const float* o_s, const float* m_s, const float* l_s,
                                          float* __restrict__ mid_o, float* __restrict__ mid_lse, int64_t base,
                                          int group, int num_splits) {
-  constexpr int G = D / 64, OS = ROT ? D + 4 : D + 1;
+  constexpr int G = D / 64, OS = part_stride<D, ROT>;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   if (ROT) {
     for (int p = warp; p < group * G; p += NW) {
@@ -589,11 +596,7 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
     l_r[1] += __shfl_xor_sync(0xffffffffu, l_r[1], off);
   }
   __syncthreads();  // every warp is done with its stages: reuse smem for the partial outputs
-  // [NW][8][OS]: padded rows. 4-bit (rows 2ti, 2ti + 1, dims 16 mt + gi): by 4 floats, so the 4 rows a
-  // warp's lanes store to sit in different banks. int8 (dims 64 g + 8 gi + 2 qq): by 1, which makes
-  // its stores 2-way conflicted; by 4 they were 8-way (int8's epilogue 4.0 -> 2.2 us at D256, 128K:
-  // decode_timeline.py, H200, 2026-11-30)
-  constexpr int OS = ROT ? D + 4 : D + 1;
+  constexpr int OS = part_stride<D, ROT>;  // [NW][8][OS] (see part_stride)
   float* o_s = reinterpret_cast<float*>(smem);
   if (gi == 0) {
     m_s[warp][2 * ti] = m_r[0];
