@@ -4,6 +4,7 @@ and a side-by-side timing of the decode-time store.
     python3 scripts/decode_probe.py --ctx 90000                  # time store (T = 1) + decode per format
     ncu --clock-control none --kernel-name nd_decode --launch-skip 3 --launch-count 1 \\
         --section SpeedOfLight --section WarpStateStats ... python3 scripts/decode_probe.py --only rk4v4-e8 --calls 4
+    ... --only rk4v4-e8 --calls 4 --geom 24,4,256 --batch 8      # any geometry and batch under ncu
 
 Store: T new tokens of Hkv heads, bytes checked against the reference encoder, then timed as
 CUDA-graph replays (median of do_bench). Decode: ``paged_decode`` over ``ctx`` tokens of random
@@ -57,7 +58,7 @@ def store_rows(fmts, t: int, hkv: int, d: int) -> list[dict]:
     return rows
 
 
-def decode_rows(fmts, ctx: int, calls: int | None, geom=(32, 8, 128), variants=(None,)) -> list[dict]:
+def decode_rows(fmts, ctx: int, calls: int | None, geom=(32, 8, 128), variants=(None,), batch: int = 1) -> list[dict]:
     from ninfer.bench.kernels import DecodeCase
     from ninfer.kernels.paged_decode import cuda_kernel_info, default_cfg, paged_decode, paged_decode_ref
     from ninfer.kernels._common import fmt_code
@@ -65,7 +66,7 @@ def decode_rows(fmts, ctx: int, calls: int | None, geom=(32, 8, 128), variants=(
     rows = []
     hq, hkv, d = geom
     for name in fmts:
-        c = DecodeCase(name, hq, hkv, d, ctx, 1, 1)
+        c = DecodeCase(name, hq, hkv, d, ctx, batch, 1)
         ref = None
         for var in variants:
             cfg = None if var is None else (*default_cfg(fmt_code(get_format(name)), d)[:3], var)
@@ -120,12 +121,14 @@ def main() -> int:
     p.add_argument("--ctx", type=int, default=90000)
     p.add_argument("--only", default=None, help="one format (decode only), e.g. under ncu")
     p.add_argument("--calls", type=int, default=None, help="with --only: launch this many decodes, no timing")
+    p.add_argument("--geom", default="32,8,128", help="with --only: q heads, kv heads, head dim")
+    p.add_argument("--batch", type=int, default=1, help="with --only: sequences")
     p.add_argument("--variants", action="store_true",
                    help="also time the 4-bit kernels compiled without the register cap (MINB 1)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if a.only:
-        decode_rows([a.only], a.ctx, a.calls)
+        decode_rows([a.only], a.ctx, a.calls, tuple(int(x) for x in a.geom.split(",")), batch=a.batch)
         return 0
     rows = []
     for t in (1, 8, 4096):

@@ -71,10 +71,12 @@ def main() -> int:
     p.add_argument("--src", default=str(ROOT / "ninfer" / "kernels" / "csrc" / "paged_decode.cu"))
     p.add_argument("--fmt", default="int8,rk4v4,rk4v4-e8")
     p.add_argument("--d", default="128,256")
+    p.add_argument("--cfg", default=None, help="warps,chunk,stages,min blocks (default: the format's)")
     a = p.parse_args()
+    cfg = tuple(int(x) for x in a.cfg.split(",")) if a.cfg else None
     for name in a.fmt.split(","):
         for d in (int(x) for x in a.d.split(",")):
-            key = _key(fmt_code(get_format(name)), d, torch.bfloat16)
+            key = _key(fmt_code(get_format(name)), d, torch.bfloat16, cfg)
             print(f"{name:9s} D{d} cfg={key[3:]}: {report(Path(a.src), key[0], d, key[3:])}")
     return 0
 
