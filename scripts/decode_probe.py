@@ -116,19 +116,32 @@ def prebuild(fmts, dims, variants, programs=None) -> None:
         list(ex.map(lambda j: j[0].build(j[1], f"sm_{major}{minor}"), jobs))
 
 
+def int_list(n: int):
+    """argparse type: exactly n comma-separated integers."""
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            vals = tuple(int(x) for x in text.split(","))
+        except ValueError:
+            vals = ()
+        if len(vals) != n:
+            raise argparse.ArgumentTypeError(f"expected {n} comma-separated integers, got {text!r}")
+        return vals
+    return parse
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ctx", type=int, default=90000)
     p.add_argument("--only", default=None, help="one format (decode only), e.g. under ncu")
     p.add_argument("--calls", type=int, default=None, help="with --only: launch this many decodes, no timing")
-    p.add_argument("--geom", default="32,8,128", help="with --only: q heads, kv heads, head dim")
+    p.add_argument("--geom", default=(32, 8, 128), type=int_list(3), help="with --only: q heads, kv heads, head dim")
     p.add_argument("--batch", type=int, default=1, help="with --only: sequences")
     p.add_argument("--variants", action="store_true",
                    help="also time the 4-bit kernels compiled without the register cap (MINB 1)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if a.only:
-        decode_rows([a.only], a.ctx, a.calls, tuple(int(x) for x in a.geom.split(",")), batch=a.batch)
+        decode_rows([a.only], a.ctx, a.calls, a.geom, batch=a.batch)
         return 0
     rows = []
     for t in (1, 8, 4096):

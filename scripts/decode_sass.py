@@ -63,6 +63,7 @@ def report(src: Path, fmt_c: int, d: int, cfg: tuple) -> str:
 
 
 def main() -> int:
+    from decode_probe import int_list
     from ninfer.kernels._common import fmt_code
     from ninfer.kernels.paged_decode_cuda import _key
     from ninfer.kvcache.formats import get_format
@@ -71,9 +72,9 @@ def main() -> int:
     p.add_argument("--src", default=str(ROOT / "ninfer" / "kernels" / "csrc" / "paged_decode.cu"))
     p.add_argument("--fmt", default="int8,rk4v4,rk4v4-e8")
     p.add_argument("--d", default="128,256")
-    p.add_argument("--cfg", default=None, help="warps,chunk,stages,min blocks (default: the format's)")
+    p.add_argument("--cfg", default=None, type=int_list(4), help="warps,chunk,stages,min blocks (default: the format's)")
     a = p.parse_args()
-    cfg = tuple(int(x) for x in a.cfg.split(",")) if a.cfg else None
+    cfg = a.cfg
     for name in a.fmt.split(","):
         for d in (int(x) for x in a.d.split(",")):
             key = _key(fmt_code(get_format(name)), d, torch.bfloat16, cfg)

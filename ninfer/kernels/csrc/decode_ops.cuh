@@ -62,6 +62,20 @@ __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_grou
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
+// max that keeps a NaN (fmaxf drops it)
+__device__ __forceinline__ float fmax_nan(float a, float b) { return (a != a || a > b) ? a : b; }
+// Sign pattern s_i of the format's rotation R = S.H64.S: (-1)^parity((i & (i >> 1)) & 0b010101).
+__device__ __forceinline__ float rot_sign(int i) {
+  return (__popc((i & (i >> 1)) & 0x15) & 1) ? -1.f : 1.f;
+}
+
+template <typename QT>
+__device__ __forceinline__ float to_f(QT x);
+template <>
+__device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x); }
+template <>
+__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+
 // 4-bit words on the tensor cores. A word holds 8 offset-binary nibbles u_j (bits 4j..4j+3) of one E8
 // block (dims 8j + w of its 64-group).
 // - K: w & 0x0F0F0F0F and (w >> 4) & 0x0F0F0F0F are nibbles 0, 2, 4, 6 and 1, 3, 5, 7 as u8: the A
@@ -77,20 +91,6 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 //   c and the count of nibbles 0..6's low bits (par = its parity) come from binary MMAs (bmma_popc),
 //   so the tensor pipe counts bits instead of the integer pipe; (x & 0x10001000) | base makes a half2
 //   feature pair of bits 12 / 28: base 0 gives {0, 2^-11}, base 0x2C002C00 {1/16, 1}.
-// max that keeps a NaN (fmaxf drops it)
-__device__ __forceinline__ float fmax_nan(float a, float b) { return (a != a || a > b) ? a : b; }
-// Sign pattern s_i of the format's rotation R = S.H64.S: (-1)^parity((i & (i >> 1)) & 0b010101).
-__device__ __forceinline__ float rot_sign(int i) {
-  return (__popc((i & (i >> 1)) & 0x15) & 1) ? -1.f : 1.f;
-}
-
-template <typename QT>
-__device__ __forceinline__ float to_f(QT x);
-template <>
-__device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x); }
-template <>
-__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-
 // Integer MMA m16n8k32: u8 A (the stored nibbles) times s8 B (Q in int8), s32 accumulators.
 __device__ __forceinline__ void imma16832(int* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                           uint32_t b1) {
