@@ -5,6 +5,7 @@ and a side-by-side timing of the decode-time store.
     ncu --clock-control none --kernel-name nd_decode --launch-skip 3 --launch-count 1 \\
         --section SpeedOfLight --section WarpStateStats ... python3 scripts/decode_probe.py --only rk4v4-e8 --calls 4
     ... --only rk4v4-e8 --calls 4 --geom 24,4,256 --batch 8      # any geometry and batch under ncu
+    ... --only rk4v4-e8 --calls 4 --geom 24,4,256 --cfg 8,32,3,1     # any configuration
 
 Store: T new tokens of Hkv heads, bytes checked against the reference encoder, then timed as
 CUDA-graph replays (median of do_bench). Decode: ``paged_decode`` over ``ctx`` tokens of random
@@ -58,7 +59,8 @@ def store_rows(fmts, t: int, hkv: int, d: int) -> list[dict]:
     return rows
 
 
-def decode_rows(fmts, ctx: int, calls: int | None, geom=(32, 8, 128), variants=(None,), batch: int = 1) -> list[dict]:
+def decode_rows(fmts, ctx: int, calls: int | None, geom=(32, 8, 128), variants=(None,), batch: int = 1,
+                cfg0=None) -> list[dict]:
     from ninfer.bench.kernels import DecodeCase
     from ninfer.kernels.paged_decode import cuda_kernel_info, default_cfg, paged_decode, paged_decode_ref
     from ninfer.kernels._common import fmt_code
@@ -69,7 +71,7 @@ def decode_rows(fmts, ctx: int, calls: int | None, geom=(32, 8, 128), variants=(
         c = DecodeCase(name, hq, hkv, d, ctx, batch, 1)
         ref = None
         for var in variants:
-            cfg = None if var is None else (*default_cfg(fmt_code(get_format(name)), d)[:3], var)
+            cfg = cfg0 if var is None else (*default_cfg(fmt_code(get_format(name)), d)[:3], var)
             if cfg is not None and name == "int8":
                 continue  # the control runs its default only
 
@@ -136,12 +138,14 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=None, help="with --only: launch this many decodes, no timing")
     p.add_argument("--geom", default=(32, 8, 128), type=int_list(3), help="with --only: q heads, kv heads, head dim")
     p.add_argument("--batch", type=int, default=1, help="with --only: sequences")
+    p.add_argument("--cfg", default=None, type=int_list(4),
+                   help="with --only: warps,chunk,stages,min blocks (default: the format's)")
     p.add_argument("--variants", action="store_true",
                    help="also time the 4-bit kernels compiled without the register cap (MINB 1)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if a.only:
-        decode_rows([a.only], a.ctx, a.calls, a.geom, batch=a.batch)
+        decode_rows([a.only], a.ctx, a.calls, a.geom, batch=a.batch, cfg0=a.cfg)
         return 0
     rows = []
     for t in (1, 8, 4096):

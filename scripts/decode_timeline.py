@@ -11,6 +11,12 @@ Per case, medians over 20 calls of: span (first block start to last block end), 
 loop), first data (start to a warp's first stage), loop (median / slowest block), a warp's last chunk (its last stage's
 arrival to its loop end), the last stage's arrival and the last loop end over all blocks, the spread of warps
 within a block, epilogue (a block's last warp to its end) and the spread of block ends.
+
+``--iters N`` also stamps each warp's first N iterations (SM clock) before and after its wait for the chunk,
+and prints per iteration the medians (over warps, blocks and calls) of the wait and of the work after it, in
+thousands of cycles:
+
+    PYTHONPATH=$PWD python3 scripts/decode_timeline.py --ctx 131072,524288 --iters 64
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ from ninfer.kvcache.formats import get_format  # noqa: E402
 SLOTS = 32  # uint64 per block: 0 start, 1 loop start, 2..9 warp loop ends, 12 end, 13 SM, 16..23 first data,
 # 24..31 last data (each warp's last stage waited for)
 STAMP = 'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"({}));'
+CLOCK = 'asm volatile("mov.u64 %0, %%clock64;" : "=l"({}));'  # per iteration: SM cycles
 EDITS = [  # (anchor in paged_decode.cu, text put before it, text put after it)
     ("  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;\n",
      "  unsigned long long T0;\n  " + STAMP.format("T0") + "\n",
@@ -52,11 +59,26 @@ EDITS = [  # (anchor in paged_decode.cu, text put before it, text put after it)
 ]
 
 
-def probe_source(dst: Path) -> None:
+ITER_EDIT = (  # per iteration (lane 0, it < ND_ITERS): 2 stamps at TI[(block * NW + warp) * 2 ND_ITERS + 2 it]
+    "    cp_wait<NST - 2>();\n    __syncwarp();\n",
+    "    unsigned long long tw;\n    " + CLOCK.format("tw") + "\n",
+    "    if (lane == 0 && it < ND_ITERS) {\n      unsigned long long ta;\n      " + CLOCK.format("ta") +
+    "\n      unsigned long long* TI = reinterpret_cast<unsigned long long*>(mid_o + (size_t)gridDim.z * hq * "
+    "num_splits * D) + 32 * (size_t)(gridDim.x * gridDim.y * gridDim.z) + ((size_t)((blockIdx.z * gridDim.y + "
+    "blockIdx.y) * gridDim.x + blockIdx.x) * NW + warp) * 2 * ND_ITERS + 2 * it;\n      TI[0] = tw;\n"
+    "      TI[1] = ta;\n    }\n")
+
+
+def probe_source(dst: Path, iters: int = 0) -> None:
     for f in cuda_build.CSRC.iterdir():
         (dst / f.name).write_text(f.read_text())
     src = (dst / "paged_decode.cu").read_text()
-    for anchor, before, after in EDITS:
+    edits = EDITS
+    if iters:  # the first/last-data stamps share the anchor: the per-iteration ones go first
+        src = f"#define ND_ITERS {iters}\n" + src
+        anchor, before, after = ITER_EDIT
+        edits = [(a_, b_ + before, after + c_) if a_ == anchor else (a_, b_, c_) for a_, b_, c_ in EDITS]
+    for anchor, before, after in edits:
         if src.count(anchor) != 1:
             raise SystemExit(f"decode_timeline: anchor not found once in paged_decode.cu: {anchor!r}")
         src = src.replace(anchor, before + anchor + after)
@@ -70,24 +92,31 @@ def probe_source(dst: Path) -> None:
     (dst / "paged_decode.cu").write_text(src)
 
 
-def run_case(fmt: str, hq: int, hkv: int, d: int, ctx: int, calls: int) -> dict:
+def run_case(fmt: str, hq: int, hkv: int, d: int, ctx: int, calls: int, iters: int = 0) -> dict:
     c = DecodeCase(fmt, hq, hkv, d, ctx, 1)
     code = fmt_code(get_format(fmt))
     cfg = pdc.default_cfg(code, d)
     nw = cfg[0]
     splits = pdc.cuda_num_splits(1, hkv, c.tables[0].shape[1], c.q.device, fmt, d, c.q.dtype, cfg)
     nb = splits * hkv
-    buf = torch.zeros(hq * splits * d + nb * SLOTS * 2, dtype=torch.float32, device="cuda")
+    buf = torch.zeros(hq * splits * d + nb * SLOTS * 2 + nb * nw * 4 * iters, dtype=torch.float32, device="cuda")
     mid_o = buf[:hq * splits * d].view(hq, splits, d)
     mid_lse = torch.empty(hq, splits, dtype=torch.float32, device="cuda")
-    res = []
+    res, waits, works = [], [], []
     for i in range(calls + 4):
         pdc._paged_decode_cuda_split(c.q, c.kp[0], c.kp[1], c.vp[0], c.vp[1], c.tables[i % c.sets], c.seq_lens,
                                      mid_o, mid_lse, code, c.scale, splits, cfg)
         torch.cuda.synchronize()
         if i < 4:  # warm-up
             continue
-        ts = buf[hq * splits * d:].view(torch.int64).view(nb, SLOTS).cpu()
+        ts = buf[hq * splits * d:hq * splits * d + nb * SLOTS * 2].view(torch.int64).view(nb, SLOTS).cpu()
+        if iters:  # [block, warp, it, (before wait, after wait)]; 0 where a warp has fewer iterations
+            ti = buf[hq * splits * d + nb * SLOTS * 2:].view(torch.int64).view(nb, nw, iters, 2).cpu()
+            have = ti[..., 0] > 0
+            waits.append(torch.where(have, ti[..., 1] - ti[..., 0], -1))
+            nxt = torch.cat([ti[:, :, 1:, 0], ti.new_zeros(nb, nw, 1)], 2)
+            works.append(torch.where(have & (nxt > 0), nxt - ti[..., 1], -1))
+            buf[hq * splits * d + nb * SLOTS * 2:].zero_()
         t0 = ts[:, 0]
         base = int(t0.min())
         t0, t1, t3 = t0 - base, ts[:, 1] - base, ts[:, 12] - base
@@ -101,6 +130,12 @@ def run_case(fmt: str, hq: int, hkv: int, d: int, ctx: int, calls: int) -> dict:
                     "warp_spread": float((t2.max(1).values - t2.min(1).values).float().median()),
                     "epilogue": float((t3 - t2.max(1).values).float().median()), "end_spread": int(t3.max() - t3.min())})
     out = {k: statistics.median(r[k] for r in res) / 1000 for k in res[0]}  # ns -> us
+    if iters:  # per iteration: medians over (call, block, warp) of those that ran it
+        w, k = torch.stack(waits).flatten(0, 2), torch.stack(works).flatten(0, 2)
+        med = [lambda x, i=i: float(x[x[:, i] >= 0, i].float().median()) / 1000 if (x[:, i] >= 0).any() else None
+               for i in range(iters)]
+        out["iter_wait_kcycles"] = [m(w) for m in med]
+        out["iter_work_kcycles"] = [m(k) for m in med]
     return {"format": fmt, "geometry": f"{hq}q/{hkv}kv/D{d}", "ctx": ctx, "splits": splits, "blocks": nb, **out}
 
 
@@ -109,12 +144,15 @@ def main() -> int:
     p.add_argument("--formats", default="int8,rk4v4-e8")
     p.add_argument("--ctx", default="32768,131072")
     p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--geometries", default="32,8,128;24,4,256")
+    p.add_argument("--iters", type=int, default=0, help="also time each warp's first N iterations")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        probe_source(Path(tmp))
+        probe_source(Path(tmp), a.iters)
         use(program_from(Path(tmp)))
-        rows = [run_case(f, hq, hkv, d, int(ctx), a.calls) for hq, hkv, d in ((32, 8, 128), (24, 4, 256))
+        geoms = [tuple(int(x) for x in g.split(",")) for g in a.geometries.split(";")]
+        rows = [run_case(f, hq, hkv, d, int(ctx), a.calls, a.iters) for hq, hkv, d in geoms
                 for f in a.formats.split(",") for ctx in a.ctx.split(",")]
     keys = ["span", "prologue", "first_data", "loop_median", "loop_slowest", "last_chunk", "data_end", "loop_end",
             "warp_spread", "epilogue", "end_spread"]
@@ -123,6 +161,11 @@ def main() -> int:
     for r in rows:
         print(f"| {r['geometry']} | {r['format']} | {r['ctx'] // 1024}K | {r['blocks']} | " +
               " | ".join(f"{r[k]:.2f}" for k in keys) + " |")
+    for r in rows if a.iters else []:
+        print(f"{r['geometry']} {r['format']} {r['ctx'] // 1024}K, per iteration (kcycles), wait / work:")
+        print("  " + " ".join(f"{i}:{wt:.2f}/{wk:.2f}" for i, (wt, wk) in
+                              enumerate(zip(r["iter_wait_kcycles"], r["iter_work_kcycles"]))
+                              if wt is not None and wk is not None))
     if a.out:
         Path(a.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "command": " ".join(sys.argv),
                                            "unit": "us", "rows": rows}, indent=1))

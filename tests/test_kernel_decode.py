@@ -610,7 +610,13 @@ def test_decode_timeline_probe_still_fits_the_kernel(tmp_path):
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         mod.probe_source(tmp_path)
+        (tmp_path / "iters").mkdir()
+        mod.probe_source(tmp_path / "iters", 8)  # --iters: per-iteration clock stamps as well
     finally:
         sys.path.remove(str(scripts))
     src = (tmp_path / "paged_decode.cu").read_text()
     assert src.count("%%globaltimer") == 5 and "TS[12] = t3;" in src and "TS[(it == 0 ? 16 : 24) + warp] = tf;" in src
+    assert "%%clock64" not in src and "ND_ITERS" not in src
+    src = (tmp_path / "iters" / "paged_decode.cu").read_text()
+    assert src.startswith("#define ND_ITERS 8\n") and src.count("%%clock64") == 2 and src.count("%%globaltimer") == 5
+    assert "TI[1] = ta;" in src and "TS[(it == 0 ? 16 : 24) + warp] = tf;" in src
