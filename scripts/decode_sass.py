@@ -74,10 +74,9 @@ def main() -> int:
     p.add_argument("--d", default="128,256")
     p.add_argument("--cfg", default=None, type=int_list(4), help="warps,chunk,stages,min blocks (default: the format's)")
     a = p.parse_args()
-    cfg = a.cfg
     for name in a.fmt.split(","):
         for d in (int(x) for x in a.d.split(",")):
-            key = _key(fmt_code(get_format(name)), d, torch.bfloat16, cfg)
+            key = _key(fmt_code(get_format(name)), d, torch.bfloat16, a.cfg)
             print(f"{name:9s} D{d} cfg={key[3:]}: {report(Path(a.src), key[0], d, key[3:])}")
     return 0
 

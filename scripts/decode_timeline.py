@@ -92,6 +92,12 @@ def probe_source(dst: Path, iters: int = 0) -> None:
     (dst / "paged_decode.cu").write_text(src)
 
 
+def iteration_medians(x: torch.Tensor) -> list[float | None]:
+    """x [samples, iterations] in cycles, -1 where a sample did not run the iteration -> kcycles per column."""
+    cols = (x[:, i][x[:, i] >= 0] for i in range(x.shape[1]))
+    return [float(c.float().median()) / 1000 if c.numel() else None for c in cols]
+
+
 def run_case(fmt: str, hq: int, hkv: int, d: int, ctx: int, calls: int, iters: int = 0) -> dict:
     c = DecodeCase(fmt, hq, hkv, d, ctx, 1)
     code = fmt_code(get_format(fmt))
@@ -99,8 +105,10 @@ def run_case(fmt: str, hq: int, hkv: int, d: int, ctx: int, calls: int, iters: i
     nw = cfg[0]
     splits = pdc.cuda_num_splits(1, hkv, c.tables[0].shape[1], c.q.device, fmt, d, c.q.dtype, cfg)
     nb = splits * hkv
-    buf = torch.zeros(hq * splits * d + nb * SLOTS * 2 + nb * nw * 4 * iters, dtype=torch.float32, device="cuda")
-    mid_o = buf[:hq * splits * d].view(hq, splits, d)
+    ts_at = hq * splits * d  # float offsets in buf: mid_o, then SLOTS uint64 per block, then the iteration stamps
+    ti_at = ts_at + nb * SLOTS * 2
+    buf = torch.zeros(ti_at + nb * nw * 4 * iters, dtype=torch.float32, device="cuda")
+    mid_o = buf[:ts_at].view(hq, splits, d)
     mid_lse = torch.empty(hq, splits, dtype=torch.float32, device="cuda")
     res, waits, works = [], [], []
     for i in range(calls + 4):
@@ -109,14 +117,14 @@ def run_case(fmt: str, hq: int, hkv: int, d: int, ctx: int, calls: int, iters: i
         torch.cuda.synchronize()
         if i < 4:  # warm-up
             continue
-        ts = buf[hq * splits * d:hq * splits * d + nb * SLOTS * 2].view(torch.int64).view(nb, SLOTS).cpu()
+        ts = buf[ts_at:ti_at].view(torch.int64).view(nb, SLOTS).cpu()
         if iters:  # [block, warp, it, (before wait, after wait)]; 0 where a warp has fewer iterations
-            ti = buf[hq * splits * d + nb * SLOTS * 2:].view(torch.int64).view(nb, nw, iters, 2).cpu()
+            ti = buf[ti_at:].view(torch.int64).view(nb, nw, iters, 2).cpu()
             have = ti[..., 0] > 0
             waits.append(torch.where(have, ti[..., 1] - ti[..., 0], -1))
             nxt = torch.cat([ti[:, :, 1:, 0], ti.new_zeros(nb, nw, 1)], 2)
             works.append(torch.where(have & (nxt > 0), nxt - ti[..., 1], -1))
-            buf[hq * splits * d + nb * SLOTS * 2:].zero_()
+            buf[ti_at:].zero_()
         t0 = ts[:, 0]
         base = int(t0.min())
         t0, t1, t3 = t0 - base, ts[:, 1] - base, ts[:, 12] - base
@@ -131,12 +139,25 @@ def run_case(fmt: str, hq: int, hkv: int, d: int, ctx: int, calls: int, iters: i
                     "epilogue": float((t3 - t2.max(1).values).float().median()), "end_spread": int(t3.max() - t3.min())})
     out = {k: statistics.median(r[k] for r in res) / 1000 for k in res[0]}  # ns -> us
     if iters:  # per iteration: medians over (call, block, warp) of those that ran it
-        w, k = torch.stack(waits).flatten(0, 2), torch.stack(works).flatten(0, 2)
-        med = [lambda x, i=i: float(x[x[:, i] >= 0, i].float().median()) / 1000 if (x[:, i] >= 0).any() else None
-               for i in range(iters)]
-        out["iter_wait_kcycles"] = [m(w) for m in med]
-        out["iter_work_kcycles"] = [m(k) for m in med]
+        out["iter_wait_kcycles"] = iteration_medians(torch.stack(waits).flatten(0, 2))
+        out["iter_work_kcycles"] = iteration_medians(torch.stack(works).flatten(0, 2))
     return {"format": fmt, "geometry": f"{hq}q/{hkv}kv/D{d}", "ctx": ctx, "splits": splits, "blocks": nb, **out}
+
+
+def geometries(text: str) -> list[tuple[int, ...]]:
+    """argparse type: "HQ,HKV,D;..." (decode_probe's int_list for each)."""
+    from decode_probe import int_list
+    return [int_list(3)(g) for g in text.split(";")]
+
+
+def non_negative(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return n
 
 
 def main() -> int:
@@ -144,15 +165,15 @@ def main() -> int:
     p.add_argument("--formats", default="int8,rk4v4-e8")
     p.add_argument("--ctx", default="32768,131072")
     p.add_argument("--calls", type=int, default=20)
-    p.add_argument("--geometries", default="32,8,128;24,4,256")
-    p.add_argument("--iters", type=int, default=0, help="also time each warp's first N iterations")
+    p.add_argument("--geometries", default="32,8,128;24,4,256", type=geometries,
+                   help='";"-separated q heads,kv heads,head dim')
+    p.add_argument("--iters", type=non_negative, default=0, help="also time each warp's first N iterations")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         probe_source(Path(tmp), a.iters)
         use(program_from(Path(tmp)))
-        geoms = [tuple(int(x) for x in g.split(",")) for g in a.geometries.split(";")]
-        rows = [run_case(f, hq, hkv, d, int(ctx), a.calls, a.iters) for hq, hkv, d in geoms
+        rows = [run_case(f, hq, hkv, d, int(ctx), a.calls, a.iters) for hq, hkv, d in a.geometries
                 for f in a.formats.split(",") for ctx in a.ctx.split(",")]
     keys = ["span", "prologue", "first_data", "loop_median", "loop_slowest", "last_chunk", "data_end", "loop_end",
             "warp_spread", "epilogue", "end_spread"]
