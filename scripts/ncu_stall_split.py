@@ -4,7 +4,7 @@ the main loop, the loop and the part after it, with the top stall reasons of eac
     ncu --set full --import-source no --kernel-name nd_decode --launch-skip 2 --launch-count 1 -o rep \\
         python3 scripts/decode_probe.py --only rk4v4-e8 --calls 4 --ctx 131072
     ncu -i rep.ncu-rep --page source --csv --print-source sass > e8.csv
-    python3 scripts/ncu_stall_split.py e8.csv [--top pre|loop|post]
+    python3 scripts/ncu_stall_split.py e8.csv [--top pre|loop|post] [--by-opcode math]
 
 The loop is the smallest backward-branch range of more than 100 instructions that holds an HMMA
 (as in decode_sass.py). Runs anywhere (the CSV is plain text; .gz is read too).
@@ -33,6 +33,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("csv")
     p.add_argument("--top", choices=("pre", "loop", "post"), default=None, help="list that part's hottest lines")
+    p.add_argument("--by-opcode", default=None, metavar="REASON",
+                   help="the loop's samples of one stall reason (math, wait, dispatch, ...) per opcode")
     a = p.parse_args()
     hdr, data = read_rows(a.csv)
     ix = {h: i for i, h in enumerate(hdr)}
@@ -56,6 +58,9 @@ def main() -> int:
         print("no main loop found", file=sys.stderr)
         return 1
     stalls = [h for h in hdr if h.startswith("stall_") and "Not Issued" not in h]
+    if a.by_opcode is not None and f"stall_{a.by_opcode}" not in stalls:
+        raise SystemExit(f"--by-opcode: no stall reason {a.by_opcode!r}; known: "
+                         + ", ".join(h[6:] for h in stalls))
     total = sum(val(r, h) for r in data for h in stalls) or 1.0
     parts = {"pre": range(0, loop[0]), "loop": range(*loop), "post": range(loop[1], len(data))}
     print(f"main loop: {loop[1] - loop[0]} instructions")
@@ -67,6 +72,17 @@ def main() -> int:
         n = sum(c.values())
         print(f"{name:5s} {len(rng):5d} instr  {n:7.0f} samples ({100 * n / total:5.1f}%)  "
               + " ".join(f"{k}:{v:.0f}" for k, v in c.most_common(6)))
+    if a.by_opcode:
+        c, n_op = collections.Counter(), collections.Counter()
+        for i in range(*loop):
+            words = src[i].split()
+            op = (words[1] if words and words[0].startswith("@") and len(words) > 1 else (words or ["?"])[0]).split(".")[0]
+            c[op] += val(data[i], f"stall_{a.by_opcode}")
+            n_op[op] += 1
+        n = sum(c.values()) or 1.0
+        print(f"loop, {a.by_opcode} stalls by opcode (samples, share, per instruction of that opcode):")
+        for op, v in c.most_common(12):
+            print(f"  {op:8s} {v:6.0f} {100 * v / n:5.1f}%  {v / n_op[op]:5.2f}  ({n_op[op]} instr)")
     if a.top:
         rng = parts[a.top]
         for i in sorted(sorted(rng, key=lambda i: -val(data[i], "Warp Stall Sampling (All Samples)"))[:25]):
