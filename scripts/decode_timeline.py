@@ -10,7 +10,9 @@ kernel by a few percent (the first-data stamp inside the loop once moved rk4v4-e
 Per case, medians over 20 calls of: span (first block start to last block end), prologue (start to the
 loop), first data (start to a warp's first stage), loop (median / slowest block), a warp's last chunk (its last stage's
 arrival to its loop end), the last stage's arrival and the last loop end over all blocks, the spread of warps
-within a block, epilogue (a block's last warp to its end) and the spread of block ends.
+within a block, epilogue (a block's last warp to its end), the spread of block ends, and the SM clock the
+blocks ran at. ``--burst N`` launches N calls back to back and keeps the last one's stamps: the card's clock
+then is the one it runs the bench at, where a call alone may run at a lower one.
 
 ``--iters N`` also stamps each warp's first N iterations (SM clock) before and after its wait for the chunk,
 and prints per iteration the medians (over warps, blocks and calls) of the wait and of the work after it, in
@@ -39,18 +41,18 @@ from ninfer.kernels import paged_decode_cuda as pdc  # noqa: E402
 from ninfer.kernels._common import fmt_code  # noqa: E402
 from ninfer.kvcache.formats import get_format  # noqa: E402
 
-SLOTS = 32  # uint64 per block: 0 start, 1 loop start, 2..9 warp loop ends, 12 end, 13 SM, 16..23 first data,
-# 24..31 last data (each warp's last stage waited for)
+SLOTS = 32  # uint64 per block: 0 start, 1 loop start, 2..9 warp loop ends, 12 end, 13 SM, 14 / 15 SM clock at
+# start / end, 16..23 first data, 24..31 last data (each warp's last stage waited for)
 STAMP = 'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"({}));'
 CLOCK = 'asm volatile("mov.u64 %0, %%clock64;" : "=l"({}));'  # per iteration: SM cycles
 EDITS = [  # (anchor in paged_decode.cu, text put before it, text put after it)
     ("  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;\n",
-     "  unsigned long long T0;\n  " + STAMP.format("T0") + "\n",
+     "  unsigned long long T0, C0;\n  " + STAMP.format("T0") + "\n  " + CLOCK.format("C0") + "\n",
      "  unsigned long long* TS = reinterpret_cast<unsigned long long*>(mid_o + (size_t)gridDim.z * hq * num_splits"
      " * D) + 32 * ((size_t)(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x);\n"),
     ("  int use_stage = 0;\n",
      "  if (tid_all == 0) {\n    unsigned long long t1; unsigned smid;\n    " + STAMP.format("t1") +
-     '\n    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));\n    TS[0] = T0; TS[1] = t1; TS[13] = smid;\n  }\n', ""),
+     '\n    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));\n    TS[0] = T0; TS[1] = t1; TS[13] = smid; TS[14] = C0;\n  }\n', ""),
     ("    cp_wait<NST - 2>();\n    __syncwarp();\n", "",
      "    if ((it == 0 || it == my_n - 1) && lane == 0) {\n      unsigned long long tf;\n      " +
      STAMP.format("tf") + "\n      TS[(it == 0 ? 16 : 24) + warp] = tf;\n    }\n"),
@@ -87,8 +89,9 @@ def probe_source(dst: Path, iters: int = 0) -> None:
     if src.count(call) != 1:
         raise SystemExit(f"decode_timeline: {call!r} not found once in paged_decode.cu")
     call_end = src.index(";\n", src.index(call)) + 2
-    src = src[:call_end] + ("  __syncthreads();\n  if (tid_all == 0) {\n    unsigned long long t3;\n    " +
-                            STAMP.format("t3") + "\n    TS[12] = t3;\n  }\n") + src[call_end:]
+    src = src[:call_end] + ("  __syncthreads();\n  if (tid_all == 0) {\n    unsigned long long t3, c3;\n    " +
+                            STAMP.format("t3") + "\n    " + CLOCK.format("c3") + "\n    TS[12] = t3; TS[15] = c3;\n"
+                            "  }\n") + src[call_end:]
     (dst / "paged_decode.cu").write_text(src)
 
 
@@ -98,7 +101,7 @@ def iteration_medians(x: torch.Tensor) -> list[float | None]:
     return [float(c.float().median()) / 1000 if c.numel() else None for c in cols]
 
 
-def run_case(fmt: str, hq: int, hkv: int, d: int, ctx: int, calls: int, iters: int = 0) -> dict:
+def run_case(fmt: str, hq: int, hkv: int, d: int, ctx: int, calls: int, iters: int = 0, burst: int = 1) -> dict:
     c = DecodeCase(fmt, hq, hkv, d, ctx, 1)
     code = fmt_code(get_format(fmt))
     cfg = pdc.default_cfg(code, d)
@@ -110,10 +113,11 @@ def run_case(fmt: str, hq: int, hkv: int, d: int, ctx: int, calls: int, iters: i
     buf = torch.zeros(ti_at + nb * nw * 4 * iters, dtype=torch.float32, device="cuda")
     mid_o = buf[:ts_at].view(hq, splits, d)
     mid_lse = torch.empty(hq, splits, dtype=torch.float32, device="cuda")
-    res, waits, works = [], [], []
+    res, waits, works, clocks = [], [], [], []
     for i in range(calls + 4):
-        pdc._paged_decode_cuda_split(c.q, c.kp[0], c.kp[1], c.vp[0], c.vp[1], c.tables[i % c.sets], c.seq_lens,
-                                     mid_o, mid_lse, code, c.scale, splits, cfg)
+        for j in range(burst):  # back to back: the stamps are the last call's, made under load
+            pdc._paged_decode_cuda_split(c.q, c.kp[0], c.kp[1], c.vp[0], c.vp[1], c.tables[(i + j) % c.sets],
+                                         c.seq_lens, mid_o, mid_lse, code, c.scale, splits, cfg)
         torch.cuda.synchronize()
         if i < 4:  # warm-up
             continue
@@ -137,7 +141,9 @@ def run_case(fmt: str, hq: int, hkv: int, d: int, ctx: int, calls: int, iters: i
                     "data_end": int(tl.max()), "loop_end": int(t2.max()),
                     "warp_spread": float((t2.max(1).values - t2.min(1).values).float().median()),
                     "epilogue": float((t3 - t2.max(1).values).float().median()), "end_spread": int(t3.max() - t3.min())})
+        clocks.append(float(((ts[:, 15] - ts[:, 14]).double() / (ts[:, 12] - ts[:, 0]).double()).median()))
     out = {k: statistics.median(r[k] for r in res) / 1000 for k in res[0]}  # ns -> us
+    out["sm_clock_ghz"] = statistics.median(clocks)  # SM cycles per ns of a block's span: the clock it ran at
     if iters:  # per iteration: medians over (call, block, warp) of those that ran it
         out["iter_wait_kcycles"] = iteration_medians(torch.stack(waits).flatten(0, 2))
         out["iter_work_kcycles"] = iteration_medians(torch.stack(works).flatten(0, 2))
@@ -168,15 +174,18 @@ def main() -> int:
     p.add_argument("--geometries", default="32,8,128;24,4,256", type=geometries,
                    help='";"-separated q heads,kv heads,head dim')
     p.add_argument("--iters", type=non_negative, default=0, help="also time each warp's first N iterations")
+    p.add_argument("--burst", type=non_negative, default=1,
+                   help="launch this many calls back to back and keep the last one's stamps (the card under load; "
+                        "1: each call alone)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         probe_source(Path(tmp), a.iters)
         use(program_from(Path(tmp)))
-        rows = [run_case(f, hq, hkv, d, int(ctx), a.calls, a.iters) for hq, hkv, d in a.geometries
+        rows = [run_case(f, hq, hkv, d, int(ctx), a.calls, a.iters, max(a.burst, 1)) for hq, hkv, d in a.geometries
                 for f in a.formats.split(",") for ctx in a.ctx.split(",")]
     keys = ["span", "prologue", "first_data", "loop_median", "loop_slowest", "last_chunk", "data_end", "loop_end",
-            "warp_spread", "epilogue", "end_spread"]
+            "warp_spread", "epilogue", "end_spread", "sm_clock_ghz"]
     print("| geometry | format | ctx | blocks | " + " | ".join(keys) + " |")
     print("|---|---|---|---|" + "---|" * len(keys))
     for r in rows:

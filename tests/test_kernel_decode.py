@@ -616,7 +616,7 @@ def test_decode_timeline_probe_still_fits_the_kernel(tmp_path):
         sys.path.remove(str(scripts))
     src = (tmp_path / "paged_decode.cu").read_text()
     assert src.count("%%globaltimer") == 5 and "TS[12] = t3;" in src and "TS[(it == 0 ? 16 : 24) + warp] = tf;" in src
-    assert "%%clock64" not in src and "ND_ITERS" not in src
+    assert src.count("%%clock64") == 2 and "TS[15] = c3;" in src and "ND_ITERS" not in src  # the SM clock
     src = (tmp_path / "iters" / "paged_decode.cu").read_text()
-    assert src.startswith("#define ND_ITERS 8\n") and src.count("%%clock64") == 2 and src.count("%%globaltimer") == 5
+    assert src.startswith("#define ND_ITERS 8\n") and src.count("%%clock64") == 4 and src.count("%%globaltimer") == 5
     assert "TI[1] = ta;" in src and "TS[(it == 0 ? 16 : 24) + warp] = tf;" in src
