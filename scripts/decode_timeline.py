@@ -166,6 +166,13 @@ def non_negative(text: str) -> int:
     return n
 
 
+def positive(text: str) -> int:
+    n = non_negative(text)
+    if n == 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--formats", default="int8,rk4v4-e8")
@@ -174,7 +181,7 @@ def main() -> int:
     p.add_argument("--geometries", default="32,8,128;24,4,256", type=geometries,
                    help='";"-separated q heads,kv heads,head dim')
     p.add_argument("--iters", type=non_negative, default=0, help="also time each warp's first N iterations")
-    p.add_argument("--burst", type=non_negative, default=1,
+    p.add_argument("--burst", type=positive, default=1,
                    help="launch this many calls back to back and keep the last one's stamps (the card under load; "
                         "1: each call alone)")
     p.add_argument("--out", default=None)
@@ -182,7 +189,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         probe_source(Path(tmp), a.iters)
         use(program_from(Path(tmp)))
-        rows = [run_case(f, hq, hkv, d, int(ctx), a.calls, a.iters, max(a.burst, 1)) for hq, hkv, d in a.geometries
+        rows = [run_case(f, hq, hkv, d, int(ctx), a.calls, a.iters, a.burst) for hq, hkv, d in a.geometries
                 for f in a.formats.split(",") for ctx in a.ctx.split(",")]
     keys = ["span", "prologue", "first_data", "loop_median", "loop_slowest", "last_chunk", "data_end", "loop_end",
             "warp_spread", "epilogue", "end_spread", "sm_clock_ghz"]

@@ -17,6 +17,10 @@ import csv
 import gzip
 import re
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_sass import opcode  # noqa: E402
 
 
 def read_rows(path: str) -> tuple[list[str], list[list[str]]]:
@@ -75,8 +79,7 @@ def main() -> int:
     if a.by_opcode:
         c, n_op = collections.Counter(), collections.Counter()
         for i in range(*loop):
-            words = src[i].split()
-            op = (words[1] if words and words[0].startswith("@") and len(words) > 1 else (words or ["?"])[0]).split(".")[0]
+            op = opcode(src[i])
             c[op] += val(data[i], f"stall_{a.by_opcode}")
             n_op[op] += 1
         n = sum(c.values()) or 1.0
