@@ -1,5 +1,5 @@
 """CLI table and engine-flag parsing: vLLM aliases map to the same fields, token counts parse as
-vLLM reads them, and unknown commands fail with exit code 2."""
+binary units whatever the case (4k = 4K = 4096), and unknown commands fail with exit code 2."""
 from __future__ import annotations
 
 import argparse
@@ -10,8 +10,8 @@ from ninfer import cli
 from ninfer.config import EngineConfig, add_engine_args, engine_config_from_args, parse_token_count
 
 
-@pytest.mark.parametrize("text,expected", [("4096", 4096), ("32k", 32000), ("32K", 32768),
-                                           ("1m", 1_000_000), ("1M", 1 << 20), ("1.5k", 1500)])
+@pytest.mark.parametrize("text,expected", [("4096", 4096), ("4k", 4096), ("4K", 4096), ("32k", 32768),
+                                           ("1m", 1 << 20), ("1M", 1 << 20), ("1.5k", 1536), ("1g", 1 << 30)])
 def test_parse_token_count(text, expected):
     assert parse_token_count(text) == expected
 
@@ -46,7 +46,7 @@ def test_defaults():
 
 def test_kv_capacity_and_memory_limit():
     cfg = _parse(["--kv-capacity", "128k", "--memory-limit", "32"])
-    assert cfg.kv_capacity == 128000 and cfg.memory_limit_gib == 32.0
+    assert cfg.kv_capacity == 131072 and cfg.memory_limit_gib == 32.0
     with pytest.raises(SystemExit):
         _parse(["--memory-limit", "-1"])
 

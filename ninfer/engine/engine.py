@@ -27,11 +27,13 @@ from ninfer.kvcache.formats import get_format
 from ninfer.kvcache.planner import MemoryPlan, device_memory, plan_for_engine
 from ninfer.kvcache.pool import KVCachePool
 from ninfer.model_config import ModelConfig
-from ninfer.models.loader import load_model, load_tokenizer, resolve_device, resolve_dtype
+from ninfer.engine import cpu
+from ninfer.models.loader import load_model, load_tokenizer, resolve_dtype
 from ninfer.models.rope import apply_rope_overrides, scaled_max_position
 
 log = logging.getLogger("ninfer.engine")
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+CPU_AUTO_SEQS = 4  # --kv-capacity auto on CPU: room for max_context x min(max_num_seqs, this)
 
 
 @dataclass
@@ -88,15 +90,26 @@ def _make_backend(pool: KVCachePool, device: torch.device) -> Any:
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, progress: bool = True) -> None:
         self.config = config
-        self.model_dir = Path(config.model) if config.model else default_model_dir()
-        if not config.model and not (self.model_dir / "config.json").is_file():
-            raise ValueError(f"no model given and the bundled probe model is missing at {self.model_dir}; "
-                             "pass a model directory (an HF checkpoint with config.json)")
         self.kv_format = get_format(config.kv_dtype)        # unknown / refused names fail first
+        self.device = cpu.resolve_device(config.device)
+        if config.model:
+            from ninfer.checkpoints import resolve_model
+            self.model_dir = resolve_model(config.model, progress=progress)
+        else:
+            self.model_dir = default_model_dir()
+            if not (self.model_dir / "config.json").is_file():
+                raise ValueError(f"no model given and the bundled probe model is missing at {self.model_dir}; "
+                                 "pass a model directory (an HF checkpoint with config.json)")
         mc = apply_rope_overrides(ModelConfig.load(self.model_dir), config.rope_yarn_factor,
                                   config.rope_original_max_position)
-        self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, mc)
+        host = ""
+        if self.device.type == "cpu":
+            why = _DTYPE_NAMES.get(self.dtype, str(self.dtype))
+            if config.dtype == "auto":
+                self.dtype, why = cpu.compute_dtype(self.dtype)
+            threads, src = cpu.configure_threads(config.threads)
+            host = f" dtype={why} threads={threads} ({src})"
         model_limit = scaled_max_position(mc)
         self.max_context = int(config.max_context or model_limit)
         if self.max_context > model_limit:
@@ -107,6 +120,12 @@ class LLMEngine:
         mem = device_memory(self.device, config.memory_limit_gib)
         plan_cfg = config.replace(dtype=_DTYPE_NAMES[self.dtype])
         self.plan: MemoryPlan = plan_for_engine(mc, plan_cfg, mem, self.device.type, max_context=self.max_context)
+        if self.device.type == "cpu" and config.kv_capacity == "auto":
+            # A CPU run holds a few requests, not a GPU's worth: size the pool for what is asked.
+            pages = -(-self.max_context // PAGE_SIZE) * min(config.max_num_seqs, CPU_AUTO_SEQS)
+            if pages < self.plan.num_pages:
+                self.plan = plan_for_engine(mc, plan_cfg.replace(kv_capacity=pages * PAGE_SIZE), mem, "cpu",
+                                            max_context=self.max_context)
 
         rope = {"rope_yarn_factor": config.rope_yarn_factor,
                 "rope_original_max_position": config.rope_original_max_position}
@@ -138,7 +157,8 @@ class LLMEngine:
                                          f"max_context={self.max_context} max_num_seqs={config.max_num_seqs} "
                                          f"max_num_batched_tokens={config.max_num_batched_tokens} "
                                          f"prefix_reuse={int(config.enable_prefix_caching)} "
-                                         f"cuda_graphs={int(self.runner.forward_fn != self.runner.eager_forward)}"]
+                                         f"cuda_graphs={int(self.runner.forward_fn != self.runner.eager_forward)}"
+                                         + host]
         for line in self.startup_lines:
             log.info("%s", line)
 
