@@ -74,7 +74,8 @@ class EngineConfig:
 
 def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
     if model_positional:
-        p.add_argument("model", nargs="?", default=None, help="HF model directory (default: the bundled probe model)")
+        p.add_argument("model", nargs="?", default=None,
+                       help="HF model directory, .gguf file, or alias smollm2 (default: the bundled probe model)")
     g = p.add_argument_group("engine")
     g.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype", default=DEFAULT_KV_DTYPE,
                    help="KV cache format: auto, bf16, int8, rk4v4, rk4v4-e8 (default %(default)s)")
@@ -85,8 +86,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
                         "room for max-context x min(max-concurrency, 4) tokens")
     g.add_argument("--memory-limit", dest="memory_limit_gib", type=_positive_float, default=None, metavar="GiB",
                    help="plan as if the device had only this much memory")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32"])
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32"],
+                   help="weights/activations dtype (default auto: the config's; on a CPU without native bf16, fp32)")
+    g.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     g.add_argument("--no-cuda-graph", "--enforce-eager", dest="enforce_eager", action="store_true",
                    help="run decode eagerly (no CUDA graphs)")
     g.add_argument("--no-prefix-reuse", "--no-enable-prefix-caching", dest="enable_prefix_caching",
@@ -95,10 +97,11 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
                    help="most requests running at once")
     g.add_argument("--max-num-batched-tokens", "--prefill-chunk", dest="max_num_batched_tokens",
                    type=parse_token_count, default=8192, help="token budget per step (largest prefill chunk)")
-    g.add_argument("--rope-yarn-factor", dest="rope_yarn_factor", type=_positive_float, default=None)
+    g.add_argument("--rope-yarn-factor", dest="rope_yarn_factor", type=_positive_float, default=None,
+                   help="extend the context with YaRN by this factor")
     g.add_argument("--rope-original-max-position", dest="rope_original_max_position", type=parse_token_count,
-                   default=None)
-    g.add_argument("--seed", type=int, default=0)
+                   default=None, help="the pre-YaRN window (default: the config's max_position_embeddings)")
+    g.add_argument("--seed", type=int, default=0, help="engine seed for requests without a sampling seed")
     g.add_argument("--threads", type=_positive_int, default=None,
                    help="CPU threads (default: OMP_NUM_THREADS if set, else the physical cores that are not busy)")
 

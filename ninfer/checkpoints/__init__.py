@@ -54,5 +54,5 @@ def resolve_model(model: str | Path, *, progress: bool = False) -> Path:
     if len(parts) == 2 and all(parts) and not text.startswith((".", "~")):
         raise ValueError(f"{text!r} is not a local directory; Hugging Face hub ids need a local download first: "
                          f"`hf download {text} --local-dir DIR` (or huggingface-cli download), then pass DIR")
-    raise ValueError(f"no such model directory or file: {text} (pass an HF checkpoint directory, a .gguf file, "
-                     f"or an alias: {', '.join(ALIASES)})")
+    raise ValueError(f"no config.json at {text}: no such model directory or file (pass an HF checkpoint directory, "
+                     f"a .gguf file, or an alias: {', '.join(ALIASES)})")

@@ -32,9 +32,14 @@ def usage(prog: str, table: dict[str, tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
+def description(doc: str | None) -> str:
+    """A module docstring's first paragraph, as one line for argparse to wrap."""
+    return " ".join((doc or "").strip().split("\n\n")[0].split())
+
+
 def dispatch(prog: str, module: str, argv: list[str]) -> int:
     mod = importlib.import_module(module)
-    parser = argparse.ArgumentParser(prog=prog, description=(mod.__doc__ or "").strip().split("\n")[0])
+    parser = argparse.ArgumentParser(prog=prog, description=description(mod.__doc__))
     mod.add_arguments(parser)
     args = parser.parse_args(argv)
     return int(mod.run(args) or 0)
@@ -46,8 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = available(COMMANDS)
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage("ninfer", commands) + "\n  bench      " + ", ".join(available(BENCHES)))
+        print(usage("ninfer", commands) + "\n  bench      " + ", ".join(available(BENCHES))
+              + "\n\n`ninfer <command> --help` for its options; `ninfer --version` for the version.")
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version", "version"):
+        from ninfer import __version__
+        print(f"ninfer {__version__}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name == "bench":
         return bench_main(rest)

@@ -78,6 +78,21 @@ def _eos_token_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
+def _tokenizer(model_dir: Path) -> Any:
+    """The checkpoint's tokenizer, or None when it ships no tokenizer files at all (as vLLM's
+    skip_tokenizer_init: prompts must then be token ids and outputs carry ids, no text)."""
+    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+        log.warning("no tokenizer files in %s: prompts must be token ids, and outputs have no text", model_dir)
+        return None
+    try:
+        return load_tokenizer(model_dir)
+    except ValueError as e:  # keep the first line: transformers' own text runs on for several
+        raise ValueError(str(e).strip().splitlines()[0].rstrip(": ")) from None
+
+
 def _make_backend(pool: KVCachePool, device: torch.device) -> Any:
     # Triton only exists for CUDA; import lazily so CPU installs never touch it.
     if device.type == "cuda":
@@ -131,7 +146,7 @@ class LLMEngine:
                 "rope_original_max_position": config.rope_original_max_position}
         self.model = load_model(self.model_dir, self.dtype, self.device, rope, progress=progress)
         self.model_config: ModelConfig = self.model.config
-        self.tokenizer = load_tokenizer(self.model_dir)
+        self.tokenizer = _tokenizer(self.model_dir)
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
 
         self.pool = KVCachePool.from_plan(self.plan, self.device, self.dtype)
@@ -186,6 +201,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
         params = params if params is not None else SamplingParams()
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"a text prompt needs a tokenizer, and {self.model_dir} has no tokenizer files; "
+                                 "pass token ids, or copy the model's tokenizer files into that directory")
             text: str | None = prompt
             ids = list(self.tokenizer.encode(prompt))
         else:
@@ -206,8 +224,9 @@ class LLMEngine:
         if not params.greedy:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed if params.seed is not None else self._seed_rng.getrandbits(63))
-        detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
-                                       stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+        detok = None if self.tokenizer is None else IncrementalDetokenizer(
+            self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output)
         req = Request(request_id, ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
                       generator=gen, detokenizer=detok, prompt=text)
         self.scheduler.add(req)
