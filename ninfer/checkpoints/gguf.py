@@ -30,9 +30,7 @@ log = logging.getLogger("ninfer.checkpoints")
 
 ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
          "qwen3": ("Qwen3ForCausalLM", "qwen3")}
-# Block types gguf.quants dequantizes with numpy (plus the plain float ones).
-QUANTS = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-          "Q6_K", "Q8_K"}
+_FLOATS = {"F32", "F16", "BF16", "F64"}
 _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
           "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
           "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
@@ -178,20 +176,24 @@ def dequantize(data: np.ndarray, kind: Any) -> "torch.Tensor":
     faster here than a torch version of the same block arithmetic)."""
     import torch
     from gguf.quants import dequantize as np_dequantize
-    return torch.from_numpy(np.asarray(np_dequantize(data, kind), dtype=np.float32))
+    return torch.from_numpy(np.array(np_dequantize(data, kind), dtype=np.float32))  # a copy: F32 data is the map
 
 
 def tensors(reader: Any, cfg: dict[str, Any], path: Path, progress: bool = False) -> dict[str, Any]:
     import torch
     from tqdm.auto import tqdm
 
+    import gguf.quants
+
+    # What gguf.quants dequantizes (its numpy block codecs), checked for every tensor before any work.
+    supported = _FLOATS | {k.name for k in getattr(gguf.quants, "_type_traits", {})}
+    for t in reader.tensors:
+        if t.tensor_type.name not in supported:
+            raise GGUFError(f"{path}: tensor {t.name} is stored as {t.tensor_type.name}, which this converter cannot "
+                            f"dequantize; supported: {', '.join(sorted(supported))}")
     out = {}
     permute = cfg["model_type"] == "llama"
     for t in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor", disable=not progress, leave=False):
-        kind = t.tensor_type.name
-        if kind not in QUANTS:
-            raise GGUFError(f"{path}: tensor {t.name} is stored as {kind}, which this converter cannot dequantize; "
-                            f"supported: {', '.join(sorted(QUANTS))}")
         # GGUF lists dims fastest-first; the data is row-major [out, in].
         w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape.tolist())])
         if permute and t.name.endswith(("attn_q.weight", "attn_q.bias")):
