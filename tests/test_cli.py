@@ -55,3 +55,38 @@ def test_unknown_command_exit_code(capsys):
     assert cli.main(["no-such-command"]) == 2
     assert "unknown command" in capsys.readouterr().err
     assert cli.main(["bench", "no-such-bench"]) == 2
+
+
+def test_version(capsys):
+    from ninfer import __version__
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"ninfer {__version__}"
+
+
+@pytest.mark.parametrize("command", ["generate", "plan"])
+def test_help_is_whole(command, capsys):
+    """The description is the module's whole first paragraph, and every option says what it does."""
+    import importlib
+    mod = importlib.import_module(cli.COMMANDS[command][0])
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    out = "".join(capsys.readouterr().out.split())  # argparse re-wraps (also at hyphens)
+    text = cli.description(mod.__doc__)
+    assert "".join(text.split()) in out and text.endswith(".")
+    p = argparse.ArgumentParser()
+    mod.add_arguments(p)
+    missing = [a.option_strings or a.dest for a in p._actions if not a.help]
+    assert not missing, missing
+
+
+def test_plan_warns_past_the_model_window(tmp_path, capsys):
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "num_hidden_layers": 2, "intermediate_size": 512, "vocab_size": 1000,
+        "max_position_embeddings": 32768, "torch_dtype": "bfloat16"}))
+    cli.main(["plan", str(tmp_path), "--max-context", "1M", "--kv-dtype", "int8"])
+    err = capsys.readouterr().err
+    assert "warning: max_context=1048576 exceeds the model's 32768 positions" in err
+    cli.main(["plan", str(tmp_path), "--max-context", "32K", "--kv-dtype", "int8"])
+    assert "warning" not in capsys.readouterr().err

@@ -39,14 +39,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights-dtype", "--dtype", dest="weights_dtype", default="auto",
                    choices=["auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32"],
                    help="weights/activation dtype (default: the config's torch_dtype)")
-    p.add_argument("--max-concurrency", "--max-num-seqs", dest="max_num_seqs", type=int, default=64)
+    p.add_argument("--max-concurrency", "--max-num-seqs", dest="max_num_seqs", type=int, default=64,
+                   help="most requests running at once (default %(default)s)")
     p.add_argument("--max-num-batched-tokens", "--prefill-chunk", dest="max_num_batched_tokens",
-                   type=parse_token_count, default=8192)
-    p.add_argument("--no-cuda-graph", "--enforce-eager", dest="enforce_eager", action="store_true")
+                   type=parse_token_count, default=8192, help="token budget per step (default %(default)s)")
+    p.add_argument("--no-cuda-graph", "--enforce-eager", dest="enforce_eager", action="store_true",
+                   help="plan without decode CUDA graphs")
     p.add_argument("--rope-yarn-factor", dest="rope_yarn_factor", type=float, default=None,
                    help="plan for YaRN-extended context (the default max-context follows it)")
     p.add_argument("--rope-original-max-position", dest="rope_original_max_position", type=parse_token_count,
-                   default=None)
+                   default=None, help="the pre-YaRN window (default: the config's max_position_embeddings)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout instead of text")
 
 
