@@ -3,6 +3,7 @@ planner can size a deployment before anything is downloaded or loaded. Handles d
 configs: only full-attention layers hold a KV cache."""
 from __future__ import annotations
 
+import builtins
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +73,22 @@ class ModelConfig:
                 raise ConfigError(f"config.json lacks required field {key!r}")
             return cfg[key]
 
+        def int(value: Any, key: str = "") -> Any:  # builtins.int, naming the field when the value is bad
+            try:
+                if isinstance(value, (bool, builtins.float)) or (isinstance(value, str) and not value.strip().isdigit()):
+                    raise ValueError
+                return builtins.int(value)
+            except (TypeError, ValueError):
+                what = next((k for k, v in cfg.items() if v is value), key) if not key else key
+                raise ConfigError(f"config.json field {what!r} must be an integer, got {value!r}") from None
+
+        def float(value: Any) -> Any:
+            try:
+                return builtins.float(value)
+            except (TypeError, ValueError):
+                what = next((k for k, v in cfg.items() if v is value), "?")
+                raise ConfigError(f"config.json field {what!r} must be a number, got {value!r}") from None
+
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                                        "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}.get(cfg.get("model_type", ""), "")
@@ -128,4 +145,7 @@ class ModelConfig:
             # Multimodal wrappers keep the dtype (and sometimes tying) at the top level only.
             outer = {k: cfg[k] for k in ("torch_dtype", "dtype", "tie_word_embeddings") if k in cfg}
             cfg = {**outer, **cfg["text_config"], "architectures": cfg.get("architectures")}
-        return cls.from_dict(cfg)
+        try:
+            return cls.from_dict(cfg)
+        except ConfigError as e:
+            raise ConfigError(f"{p}: {str(e).removeprefix('config.json ')}") from None

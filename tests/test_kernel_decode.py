@@ -41,6 +41,8 @@ for _f in FORMATS:
 for _f in ("int8", "rk4v4", "rk4v4-e8"):
     CASES.append((f"{_f}-gqa1-d128-page16", _f, 2, 2, 128, [17, 48], 16, 2, 3))
 CASES.append(("rk4v4-e8-gqa4-d128-seed4", "rk4v4-e8", 4, 1, 128, [65, 127], 64, 1, 4))
+for _f in FORMATS:
+    CASES.append((f"{_f}-gqa3-d64", _f, 9, 3, 64, [70, 5], 64, 2, 6))
 CASES.append(("rk4v4-e8-gqa6-d256-seed5", "rk4v4-e8", 12, 2, 256, [192], 64, 5, 5))
 
 TOL = {"auto": 2e-2, "bf16": 2e-2}

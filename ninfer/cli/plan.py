@@ -27,7 +27,7 @@ def _capacity(text: str) -> int | str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="MODEL_DIR_OR_CONFIG_JSON", help="HF model directory or its config.json")
+    p.add_argument("model", metavar="MODEL", help="HF model directory, its config.json, a .gguf file, or alias smollm2")
     p.add_argument("--memory", "--memory-limit", dest="memory", type=float, default=DEFAULT_MEMORY_GIB,
                    metavar="GiB", help="device memory to plan for (default %(default)g GiB)")
     p.add_argument("--max-context", "--max-model-len", dest="max_context", type=parse_token_count, default=None,
@@ -39,15 +39,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights-dtype", "--dtype", dest="weights_dtype", default="auto",
                    choices=["auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32"],
                    help="weights/activation dtype (default: the config's torch_dtype)")
-    p.add_argument("--max-concurrency", "--max-num-seqs", dest="max_num_seqs", type=int, default=64)
+    p.add_argument("--max-concurrency", "--max-num-seqs", dest="max_num_seqs", type=int, default=64,
+                   help="most requests running at once (default %(default)s)")
     p.add_argument("--max-num-batched-tokens", "--prefill-chunk", dest="max_num_batched_tokens",
-                   type=parse_token_count, default=8192)
-    p.add_argument("--no-cuda-graph", "--enforce-eager", dest="enforce_eager", action="store_true")
+                   type=parse_token_count, default=8192, help="token budget per step (default %(default)s)")
+    p.add_argument("--no-cuda-graph", "--enforce-eager", dest="enforce_eager", action="store_true",
+                   help="plan without decode CUDA graphs")
     p.add_argument("--rope-yarn-factor", dest="rope_yarn_factor", type=float, default=None,
                    help="plan for YaRN-extended context (the default max-context follows it)")
     p.add_argument("--rope-original-max-position", dest="rope_original_max_position", type=parse_token_count,
-                   default=None)
+                   default=None, help="the pre-YaRN window (default: the config's max_position_embeddings)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout instead of text")
+
+
+def _config_path(model: str) -> Any:
+    """A config.json, a directory with one, or anything else resolve_model accepts (a .gguf file
+    is converted; a hub id gets the one-line hint to download it first)."""
+    from pathlib import Path
+    p = Path(model)
+    if p.is_file() and p.suffix == ".json" or (p / "config.json").is_file():
+        return p
+    from ninfer.checkpoints import resolve_model
+    return resolve_model(model)
 
 
 def _kv_dtypes(args: argparse.Namespace) -> list[str]:
@@ -87,15 +100,20 @@ def run(args: argparse.Namespace) -> int:
     try:
         if not args.memory > 0:
             raise ValueError(f"--memory must be > 0 GiB, got {args.memory}")
-        model = apply_rope_overrides(ModelConfig.load(args.model), args.rope_yarn_factor,
+        model = apply_rope_overrides(ModelConfig.load(_config_path(args.model)), args.rope_yarn_factor,
                                      args.rope_original_max_position)
         # The default context is the one the engine would use: the rope-scaled window.
-        args.max_context = args.max_context or scaled_max_position(model)
+        limit = scaled_max_position(model)
+        args.max_context = args.max_context or limit
         rows = plan_table(model, args)
     except (ConfigError, ValueError, OSError) as e:
         print(f"ninfer plan: error: {e}", file=sys.stderr)
         return 2
     ctx = args.max_context
+    if ctx > limit:  # the engine warns the same way at startup
+        print(f"ninfer plan: warning: max_context={ctx} exceeds the model's {limit} positions (rope scaling "
+              f"included); quality past {limit} tokens is not what the model was trained for "
+              "(--rope-yarn-factor extends the window)", file=sys.stderr)
     if args.json:
         print(json.dumps({"model": str(args.model), "architecture": model.architecture, "memory_gib": args.memory,
                           "max_context": ctx, "kv_layers": model.num_kv_layers, "kv_heads": model.num_kv_heads,
