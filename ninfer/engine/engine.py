@@ -16,13 +16,13 @@ from typing import Any, Callable
 
 import torch
 
-from ninfer.attention.selector import select_backend
 from ninfer.config import PAGE_SIZE, EngineConfig
 from ninfer.engine.detokenizer import IncrementalDetokenizer
 from ninfer.engine.model_runner import ModelRunner
 from ninfer.engine.request import Request, RequestOutput
 from ninfer.engine.sampling import SampleRow, SamplingParams, sample
 from ninfer.engine.scheduler import Scheduler
+from ninfer.attention.selector import select_backend
 from ninfer.kvcache.block_manager import BlockManager
 from ninfer.kvcache.formats import KVFormat, get_format
 from ninfer.kvcache.planner import MemoryPlan, device_memory, plan_for_engine
