@@ -238,7 +238,8 @@ class LLMEngine:
                 if req.num_output_tokens == 0:
                     self.prompt_tokens_total += req.num_prompt_tokens
                 self.generation_tokens_total += 1
-                req.append_token(result.token_ids[j], result.logprobs[j])
+                req.append_token(result.token_ids[j], result.logprobs[j],
+                                 result.top_logprobs[j] if result.top_logprobs else None)
                 self._check_stop(req, result.token_ids[j])
             outputs.append(req.make_output())
             if req.is_finished:
