@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
 
     def engine_factory() -> Any:
         from ninfer.engine.engine import LLMEngine
-        return LLMEngine(cfg)
+        return LLMEngine(cfg, progress=sys.stderr.isatty())   # no bar in logs
 
     def on_ready(engine: AsyncEngine) -> None:
         # The engine logs these at INFO; print them when that logging is not shown, never twice.

@@ -96,8 +96,9 @@ async def _completion_logprobs(sv: OpenAIServing, ids: list[int], lps: list[floa
     for s in strs:
         offsets.append(pos)
         pos += len(s)
-    # OpenAI's shape: one {token: logprob} dict per position (null when logprobs=0 asked for none)
-    top = [dict(a) for a in alts] if alts is not None else [None] * len(strs)
+    # OpenAI's shape: one {token: logprob} dict per position (null when logprobs=0 asked for none);
+    # ids that decode alike (partial UTF-8 bytes) keep the likeliest one's logprob
+    top = [dict(reversed(a)) for a in alts] if alts is not None else [None] * len(strs)
     return CompletionLogprobs(tokens=strs, token_logprobs=list(lps), top_logprobs=top, text_offset=offsets)
 
 
