@@ -124,7 +124,7 @@ def test_short_request_is_served_during_a_long_prefill_and_abort_is_prompt(srv: 
         sock.close()                   # hang up mid-prefill
     hung_up = time.monotonic()
     srv.wait_idle(timeout=30)
-    assert time.monotonic() - hung_up < 2.0, "the abort waited for a long step to end"
+    assert time.monotonic() - hung_up < 2.5, "the abort waited for a long step to end"
     assert_whole(srv, trap)
 
 
@@ -151,9 +151,9 @@ def test_huge_prompts_do_not_block_others(srv: LiveServer, trap: LogTrap) -> Non
     for th in threads:
         th.join(120)
     hi, hi_s = results["hi"]
-    assert hi.status_code == 200 and hi_s < 1.5, hi_s
+    assert hi.status_code == 200 and hi_s < 2.0, hi_s
     err = assert_envelope(results["huge"][0], 400)
-    assert "maximum context length" in err["message"] and results["huge"][1] < 1.5
+    assert "maximum context length" in err["message"] and results["huge"][1] < 2.0
     assert_envelope(results["near"][0], 400)          # tokenized, then refused on its exact count
     assert_whole(srv, trap)
 
