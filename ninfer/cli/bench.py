@@ -13,6 +13,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "matched": ("ninfer.bench.matched", "same model and prompt, only --kv-dtype differs"),
     "sweep": ("ninfer.bench.sweep", "prefill/decode speed from 32K to the largest context"),
     "memory": ("ninfer.bench.memory", "planned vs allocated vs device-peak memory"),
+    "serve": ("ninfer.bench.serve", "load generator over the OpenAI API: throughput, TTFT, ITL"),
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -245,9 +246,11 @@ class LLMEngine:
                       generator=gen, detokenizer=detok, prompt=text)
         self.scheduler.add(req)
 
-    def abort_request(self, request_id: str) -> None:
-        """Drop a request (unknown or finished ids are ignored); its pages return at once."""
-        self.scheduler.abort(request_id)
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Drop a request (unknown or finished ids are ignored: None); its pages return at once.
+        Returns its final output (finish_reason "abort"), for a caller that still has a reader."""
+        req = self.scheduler.abort(request_id)
+        return req.make_output() if req is not None else None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -261,6 +264,7 @@ class LLMEngine:
         if not batch.requests:
             return []
         self.num_steps += 1
+        t0 = time.perf_counter()
         try:
             idx, logits = self.runner.execute(batch)
         except ValueError as e:
@@ -268,12 +272,14 @@ class LLMEngine:
             return self._fail_batch(batch.requests, f"step failed: {e}")
         self.scheduler.after_step(batch)
         if logits is None:
+            self.scheduler.observe_step(batch, time.perf_counter() - t0)
             return []
         reqs = [batch.requests[i] for i in idx]
         with torch.inference_mode():  # logits are inference tensors; a hook may edit them in place
             if self.logits_hook is not None:
                 self.logits_hook(reqs, logits)
-            result = sample(logits, [self._sample_row(r) for r in reqs])
+            result = sample(logits, [self._sample_row(r) for r in reqs])   # its host copy syncs the device
+        self.scheduler.observe_step(batch, time.perf_counter() - t0)
         outputs: list[RequestOutput] = []
         bad = set(result.bad_rows)
         for j, req in enumerate(reqs):
@@ -285,7 +291,8 @@ class LLMEngine:
                 if req.num_output_tokens == 0:
                     self.prompt_tokens_total += req.num_prompt_tokens
                 self.generation_tokens_total += 1
-                req.append_token(result.token_ids[j], result.logprobs[j])
+                req.append_token(result.token_ids[j], result.logprobs[j],
+                                 result.top_logprobs[j] if result.top_logprobs else None)
                 self._check_stop(req, result.token_ids[j])
             outputs.append(req.make_output())
             if req.is_finished:
