@@ -22,6 +22,7 @@ from ninfer.engine.model_runner import ModelRunner
 from ninfer.engine.request import Request, RequestOutput
 from ninfer.engine.sampling import SampleRow, SamplingParams, sample
 from ninfer.engine.scheduler import Scheduler
+from ninfer.engine.structured import BitmaskFiller, GrammarCache, GrammarState
 from ninfer.kvcache.block_manager import BlockManager
 from ninfer.kvcache.formats import get_format
 from ninfer.kvcache.planner import MemoryPlan, device_memory, plan_for_engine
@@ -114,6 +115,10 @@ class LLMEngine:
         self.model_config: ModelConfig = self.model.config
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
+        # Structured output: compiled grammars by spec (thread-safe: the server compiles ahead) and
+        # the step's bitmask buffer. Nothing of xgrammar loads until a constrained request comes.
+        self.grammars = GrammarCache(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
+        self._bitmasks = BitmaskFiller(self.model.config.vocab_size)
 
         self.pool = KVCachePool.from_plan(self.plan, self.device, self.dtype)
         self.pool.assert_geometry()  # DESIGN 2.2: packed planes are checked, never assumed
@@ -190,6 +195,8 @@ class LLMEngine:
                                        stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
         req = Request(request_id, ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
                       generator=gen, detokenizer=detok, prompt=text)
+        if params.structured is not None:   # compiled already when the server sent it (a cache hit)
+            req.grammar = GrammarState(self.grammars.compile(params.structured))
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> None:
@@ -220,7 +227,9 @@ class LLMEngine:
         with torch.inference_mode():  # logits are inference tensors; a hook may edit them in place
             if self.logits_hook is not None:
                 self.logits_hook(reqs, logits)
-            result = sample(logits, [self._sample_row(r) for r in reqs])
+            constrained = [j for j, r in enumerate(reqs) if r.grammar is not None]
+            mask = self._bitmasks.fill([reqs[j].grammar for j in constrained]) if constrained else None
+            result = sample(logits, [self._sample_row(r) for r in reqs], mask, constrained)
         outputs: list[RequestOutput] = []
         bad = set(result.bad_rows)
         for j, req in enumerate(reqs):
@@ -233,7 +242,12 @@ class LLMEngine:
                     self.prompt_tokens_total += req.num_prompt_tokens
                 self.generation_tokens_total += 1
                 req.append_token(result.token_ids[j], result.logprobs[j])
-                self._check_stop(req, result.token_ids[j])
+                if req.grammar is not None and not req.grammar.accept(result.token_ids[j]):
+                    req.finish("error", error=f"token {result.token_ids[j]} rejected by the grammar of {req.request_id}")
+                else:
+                    self._check_stop(req, result.token_ids[j])
+                    if req.grammar is not None and req.grammar.terminated and not req.is_finished:
+                        req.finish("stop")   # the grammar ended with its stop token (ignore_eos)
             outputs.append(req.make_output())
             if req.is_finished:
                 self.scheduler.finish(req)
@@ -251,7 +265,7 @@ class LLMEngine:
     def _sample_row(self, req: Request) -> SampleRow:
         p = req.params
         banned: list[int] = []
-        if req.num_output_tokens < p.min_tokens:
+        if req.num_output_tokens < p.min_tokens and req.grammar is None:   # a grammar decides its own end
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(req.eos_token_ids))
         # Only the penalties read the output ids: skip copying them (O(output) per step) otherwise.
         return SampleRow(p, req.generator, req.prompt_token_ids, req.output_token_ids if p.penalized else [], banned)
