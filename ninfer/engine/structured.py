@@ -12,6 +12,7 @@ xgrammar is imported on first use only, so installs and GPU hosts without it run
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,7 +25,12 @@ KINDS = ("json_object", "json_schema", "regex", "grammar", "structural_tag")
 
 
 class StructuredError(ValueError):
-    """The constraint cannot be compiled (bad schema, regex, grammar): the client's mistake."""
+    """The constraint cannot be compiled (bad schema, regex, grammar): the client's mistake.
+    `reason` is the compiler's own words, without its source location."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
 
 
 @dataclass(frozen=True)
@@ -120,8 +126,9 @@ class GrammarCache:
                 return comp.compile_grammar(spec.value)
             return comp.compile_structural_tag(spec.value)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/its own types
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise StructuredError(f"invalid {spec.kind.replace('_', ' ')}: {msg}") from e
+            lines = str(e).strip().splitlines()
+            reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", lines[0]) if lines else type(e).__name__
+            raise StructuredError(f"invalid {spec.kind.replace('_', ' ')}: {reason}", reason) from e
 
     def close(self) -> None:
         if self._pool is not None:
