@@ -21,6 +21,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "matched": ("ninfer.bench.matched", "same model and prompt, only --kv-dtype differs"),
     "sweep": ("ninfer.bench.sweep", "prefill/decode speed from 32K to the largest context"),
     "memory": ("ninfer.bench.memory", "planned vs allocated vs device-peak memory"),
+    "structured": ("ninfer.bench.structured", "decode step time with vs without a json_schema constraint"),
 }
 
 

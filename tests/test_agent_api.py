@@ -255,3 +255,49 @@ def test_bad_schemas_and_unknown_tools_are_400(srv: LiveServer) -> None:
         config.tool_call_parser = "auto"
     assert chat().status_code == 200   # still serving
     srv.wait_idle()
+
+
+# ------------------------------------------------------------------------------------ parsers, piece by piece
+
+PARSE_CASES = [
+    # (tool parser, prompt opened a think block, text, reasoning, content, [(name, args)])
+    ("hermes", False, CALL_TEXT, "The user wants weather.", "Let me look.",
+     [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {})]),
+    ("hermes", True, 'thinking </thi still</think>\n\nno call <tool_call>not json</tool_call>', "thinking </thi still",
+     "no call <tool_call>not json</tool_call>", []),
+    ("hermes", False, 'A <tool_call>\n{"name": "f", "arguments": "{\\"x\\": 1}"}', None, "A", [("f", {"x": 1})]),
+    ("hermes", False, "<think>cut off in the middle", "cut off in the middle", None, []),
+    ("llama3_json", False, '<|python_tag|>{"name": "f", "parameters": {"a": [1, 2]}}; {"name": "g", "parameters": {}}',
+     None, None, [("f", {"a": [1, 2]}), ("g", {})]),
+    ("llama3_json", False, 'Sure: {"name": "f", "parameters": {}}', None, 'Sure: {"name": "f", "parameters": {}}', []),
+    ("llama3_json", False, '{"not": "a call"}', None, '{"not": "a call"}', []),
+]
+
+
+@pytest.mark.parametrize("case", range(len(PARSE_CASES)))
+def test_streamed_split_equals_whole_split(case: int) -> None:
+    import random
+
+    from ninfer.server.agent import ChatPlan
+    from ninfer.server.reasoning import REASONING_PARSERS
+    from ninfer.server.tool_parsers import TOOL_PARSERS
+
+    parser, prompt_open, text, reasoning, content, calls = PARSE_CASES[case]
+    plan = ChatPlan(template_kwargs={}, reasoning=REASONING_PARSERS["qwen3"], tool_parser=TOOL_PARSERS[parser],
+                    tool_choice="auto", prompt_open=prompt_open)
+    msg, finish = plan.message(text, "stop")
+    assert (msg.reasoning_content, msg.content) == (reasoning, content)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == calls
+    assert finish == ("tool_calls" if calls else "stop")
+    for seed in range(30):   # the same result however the text is cut into deltas
+        rng = random.Random(seed)
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, min(12, len(text) - 1))))
+        st = plan.streamer()
+        deltas = [d for a, b in zip([0] + cuts, cuts + [len(text)]) for d in st.feed(text[a:b])]
+        tail, fin = st.finish("stop")
+        deltas += tail
+        r = "".join(d.reasoning_content or "" for d in deltas)
+        c = "".join(d.content or "" for d in deltas)
+        got = [(tc.function.name, json.loads(tc.function.arguments)) for d in deltas for tc in d.tool_calls or []]
+        assert (r or None, c.strip() or None, got, fin) == (reasoning, content, calls, finish), (seed, deltas)
+        assert all(sum(x is not None for x in (d.reasoning_content, d.content, d.tool_calls)) == 1 for d in deltas)

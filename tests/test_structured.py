@@ -175,3 +175,23 @@ def test_engine_rejects_bad_spec_at_add_request(engine: LLMEngine) -> None:
     with pytest.raises(StructuredError):
         engine.add_request("bad", "hi", SamplingParams(structured=StructuredSpec("json_schema", '{"type": 3}')))
     assert not engine.has_unfinished_requests()
+
+
+def test_bench_structured_runs_and_checks_its_outputs(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import argparse
+
+    from ninfer.bench import structured as bench
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    out = tmp_path / "structured.json"
+    args = p.parse_args([str(tiny_model_dir), "--device", "cpu", "--kv-dtype", "auto", "--batches", "1,3",
+                         "--prompt-tokens", "16", "--gen-tokens", "10", "--skip-steps", "1", "--json", str(out)])
+    assert bench.run(args) == 0
+    res = json.loads(out.read_text())
+    assert [r["batch"] for r in res["rows"]] == [1, 3] and res["grammar_vocab"] == 384
+    for r in res["rows"]:
+        assert r["free_step_ms"] > 0 and r["json_step_ms"] > 0 and r["json_fill_ms"] > 0
+    assert "one_step_ms" in res["rows"][1] and "one_step_ms" not in res["rows"][0]
+    vocab = bench.synthetic_vocab(1000, eos=3)
+    assert len(set(vocab)) == 1000 and vocab[3] == b"<|endoftext|>" and vocab[65] == b"A"

@@ -67,9 +67,11 @@ class GrammarCache:
     `vocab_size` is the model's logits width (it may exceed the tokenizer's length: the padded ids
     are then always masked). `stop_token_ids` end a grammar (the model's EOS ids)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int], *, max_entries: int = 512) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int], *, max_entries: int = 512,
+                 tokenizer_info: Any = None) -> None:
         self.vocab_size = int(vocab_size)
         self._tokenizer = tokenizer
+        self._info = tokenizer_info         # an xgrammar TokenizerInfo to use instead of the tokenizer's
         self._stop = sorted(int(t) for t in stop_token_ids)
         self._max = max_entries
         self._lock = threading.Lock()
@@ -106,8 +108,8 @@ class GrammarCache:
     def _get_compiler(self) -> Any:
         if self._compiler is None:
             xgr = _xgr()
-            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self._stop or None)
+            info = self._info or xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                                    stop_token_ids=self._stop or None)
             self._compiler = xgr.GrammarCompiler(info, max_threads=2)
         return self._compiler
 

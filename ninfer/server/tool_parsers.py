@@ -39,8 +39,8 @@ def _call_from_json(obj: Any, args_keys: tuple[str, ...]) -> ParsedCall | None:
 
 class ToolCallStream:
     """Incremental parse: feed() new text, get (content delta, calls completed by it); flush() at
-    the end. Whitespace-only content is held until real text follows, so the blanks around calls
-    do not become content."""
+    the end. Trailing whitespace is held until real text follows, so the blanks around calls do
+    not become content."""
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         raise NotImplementedError
@@ -54,14 +54,14 @@ class _TaggedStream(ToolCallStream):
         self.start, self.end = start, end
         self._buf = ""
         self._inside = False
-        self._blank = ""                # whitespace content waiting for real text
+        self._blank = ""                # trailing whitespace of the content so far, not yet sent
+        self._pre = ""                  # the whitespace before the open tag (back if it is no call)
 
     def _content(self, text: str) -> str:
-        if not text.strip():
-            self._blank += text
-            return ""
-        out, self._blank = self._blank + text, ""
-        return out
+        text = self._blank + text
+        body = text.rstrip()
+        self._blank = text[len(body):]
+        return body
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         self._buf += text
@@ -75,7 +75,7 @@ class _TaggedStream(ToolCallStream):
                     self._buf = self._buf[len(self._buf) - keep:]
                     break
                 content += self._content(self._buf[:i])
-                self._blank = ""
+                self._pre, self._blank = self._blank, ""
                 self._buf, self._inside = self._buf[i + len(self.start):], True
             else:
                 j = self._buf.find(self.end)
@@ -84,7 +84,7 @@ class _TaggedStream(ToolCallStream):
                 body, self._buf, self._inside = self._buf[:j], self._buf[j + len(self.end):], False
                 call = self._parse(body)
                 if call is None:        # not a call after all: the text stays the model's words
-                    content += self._content(self.start + body + self.end)
+                    content += self._content(self._pre + self.start + body + self.end)
                 else:
                     calls.append(call)
         return content, calls
@@ -101,7 +101,7 @@ class _TaggedStream(ToolCallStream):
             return self._content(buf), []
         self._inside = False
         call = self._parse(buf)         # an unterminated last call (cut by a stop string) may be whole
-        return ("", [call]) if call is not None else (self._content(self.start + buf), [])
+        return ("", [call]) if call is not None else (self._content(self._pre + self.start + buf), [])
 
 
 class _JsonStream(ToolCallStream):
