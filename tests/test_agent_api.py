@@ -267,6 +267,11 @@ PARSE_CASES = [
      "no call <tool_call>not json</tool_call>", []),
     ("hermes", False, 'A <tool_call>\n{"name": "f", "arguments": "{\\"x\\": 1}"}', None, "A", [("f", {"x": 1})]),
     ("hermes", False, "<think>cut off in the middle", "cut off in the middle", None, []),
+    ("qwen3_coder", False, 'Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n'
+     '<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n'
+     '</tool_call>', None, "Checking.", [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {})]),
+    ("qwen3_coder", False, '<tool_call>\n<function=note>\n<parameter=text>\n42\n</parameter>\n</function>\n</tool_call>',
+     None, None, [("note", {"text": "42"})]),    # a string parameter stays text even when it looks like JSON
     ("llama3_json", False, '<|python_tag|>{"name": "f", "parameters": {"a": [1, 2]}}; {"name": "g", "parameters": {}}',
      None, None, [("f", {"a": [1, 2]}), ("g", {})]),
     ("llama3_json", False, 'Sure: {"name": "f", "parameters": {}}', None, 'Sure: {"name": "f", "parameters": {}}', []),
@@ -283,8 +288,10 @@ def test_streamed_split_equals_whole_split(case: int) -> None:
     from ninfer.server.tool_parsers import TOOL_PARSERS
 
     parser, prompt_open, text, reasoning, content, calls = PARSE_CASES[case]
+    note = {"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}}}}
     plan = ChatPlan(template_kwargs={}, reasoning=REASONING_PARSERS["qwen3"], tool_parser=TOOL_PARSERS[parser],
-                    tool_choice="auto", prompt_open=prompt_open)
+                    tool_choice="auto", prompt_open=prompt_open, tools=TOOLS + [note])
     msg, finish = plan.message(text, "stop")
     assert (msg.reasoning_content, msg.content) == (reasoning, content)
     assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == calls
@@ -301,3 +308,24 @@ def test_streamed_split_equals_whole_split(case: int) -> None:
         got = [(tc.function.name, json.loads(tc.function.arguments)) for d in deltas for tc in d.tool_calls or []]
         assert (r or None, c.strip() or None, got, fin) == (reasoning, content, calls, finish), (seed, deltas)
         assert all(sum(x is not None for x in (d.reasoning_content, d.content, d.tool_calls)) == 1 for d in deltas)
+
+
+def test_parsers_picked_from_the_chat_template() -> None:
+    from tests.agent_model import AGENT_TEMPLATE
+
+    from ninfer.server.reasoning import get_reasoning_parser
+    from ninfer.server.tool_parsers import get_tool_parser
+
+    qwen35 = "{% if tools %}<tools>...</tools> <tool_call>\n<function=example>{% endif %}</think>"
+    llama = '{% if tools %}Respond with {"name": function name, "parameters": dict}<|python_tag|>{% endif %}'
+    assert get_tool_parser("auto", AGENT_TEMPLATE).name == "hermes"
+    assert get_tool_parser("auto", qwen35).name == "qwen3_coder"
+    assert get_tool_parser("auto", llama).name == "llama3_json"
+    assert get_tool_parser("auto", "{{ messages }}") is None
+    assert get_tool_parser("auto", llama + "<tool_call>") is None          # two formats fit: no guess
+    assert get_tool_parser("llama3_json", AGENT_TEMPLATE).name == "llama3_json"
+    assert get_tool_parser("none", AGENT_TEMPLATE) is None
+    assert get_reasoning_parser("auto", qwen35).name == "qwen3"
+    assert get_reasoning_parser("auto", llama) is None and get_reasoning_parser("none", qwen35) is None
+    with pytest.raises(ValueError, match="unknown tool-call parser"):
+        get_tool_parser("mistral", None)

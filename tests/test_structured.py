@@ -130,7 +130,7 @@ def test_batch_without_constraint_builds_no_mask(engine: LLMEngine, monkeypatch:
     assert all(o.finish_reason in ("stop", "length") for o in out.values())
 
 
-@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_coder", "llama3_json"])
 def test_tool_call_grammars_parse_back(engine: LLMEngine, parser: str) -> None:
     p = TOOL_PARSERS[parser]
     named = {"type": "function", "function": {"name": "lookup"}}
@@ -142,7 +142,7 @@ def test_tool_call_grammars_parse_back(engine: LLMEngine, parser: str) -> None:
     for i, (rid, _) in enumerate(reqs):
         out = outs[rid]
         assert out.finish_reason == "stop", out.text
-        content, calls = p.parse(out.text)
+        content, calls = p.parse(out.text, TOOLS)
         assert content is None and len(calls) == 1, out.text
         assert calls[0].name in (["lookup", "ping"] if i < 2 else ["lookup"])
         if calls[0].name == "lookup":

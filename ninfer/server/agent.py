@@ -99,7 +99,7 @@ class ChatPlan:
         reasoning, content = (None, text) if self.reasoning is None else self.reasoning.split(text, self.prompt_open)
         calls: list[ParsedCall] = []
         if self.tool_parser is not None and content:
-            content, calls = self.tool_parser.parse(content)
+            content, calls = self.tool_parser.parse(content, self.tools)
         tool_calls = [ToolCall(id=_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
         return (ChatResponseMessage(content=content, reasoning_content=reasoning, tool_calls=tool_calls),
                 _finish(finish_reason, bool(calls)))
@@ -113,7 +113,7 @@ class ChatStreamer:
 
     def __init__(self, plan: ChatPlan) -> None:
         self.splitter = plan.reasoning.splitter(plan.prompt_open) if plan.reasoning is not None else None
-        self.tools = plan.tool_parser.stream() if plan.tool_parser is not None else None
+        self.tools = plan.tool_parser.stream(plan.tools) if plan.tool_parser is not None else None
         self.num_calls = 0
 
     def feed(self, text: str) -> list[DeltaMessage]:
@@ -172,7 +172,7 @@ def plan_chat(req: ChatCompletionRequest, chat_template: str | None, *, reasonin
         plan.tool_parser = get_tool_parser(tool_call_parser, chat_template)
         if plan.tool_parser is None:
             raise PlanError("this server has no tool-call parser for the model's chat template; start it with "
-                            "--tool-call-parser hermes|llama3_json", "tools")
+                            "--tool-call-parser hermes|qwen3_coder|llama3_json", "tools")
         kwargs["tools"] = tools
         plan.tools = tools
         plan.tool_choice = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice

@@ -3,16 +3,19 @@ a stream, and the grammar that makes a model write that syntax (tool_choice requ
 
 * `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number of them between
   text (Hermes, Qwen2.5, Qwen3, QwQ).
+* `qwen3_coder`: `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>`
+  (Qwen3.5, Qwen3.6, Qwen3-Coder); a value is text when its schema says string, else JSON.
 * `llama3_json`: the whole output is `{"name": ..., "parameters": {...}}` (or several joined by
   `;`), optionally after `<|python_tag|>` (Llama 3.1/3.2/3.3 JSON tool calling).
 
-The grammars come from xgrammar's model formats ("qwen_3" and "llama"), which write exactly what
-these parsers read, so a constrained call always parses."""
+The grammars come from xgrammar's model formats ("qwen_3", "qwen_3_5" and "llama"), which write
+exactly what these parsers read, so a constrained call always parses."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ninfer.server.reasoning import partial_suffix
 
@@ -50,8 +53,8 @@ class ToolCallStream:
 
 
 class _TaggedStream(ToolCallStream):
-    def __init__(self, start: str, end: str) -> None:
-        self.start, self.end = start, end
+    def __init__(self, start: str, end: str, parse: Callable[[str], ParsedCall | None]) -> None:
+        self.start, self.end, self._parse = start, end, parse
         self._buf = ""
         self._inside = False
         self._blank = ""                # trailing whitespace of the content so far, not yet sent
@@ -88,12 +91,6 @@ class _TaggedStream(ToolCallStream):
                 else:
                     calls.append(call)
         return content, calls
-
-    def _parse(self, body: str) -> ParsedCall | None:
-        try:
-            return _call_from_json(json.loads(body), ("arguments", "parameters"))
-        except json.JSONDecodeError:
-            return None
 
     def flush(self) -> tuple[str, list[ParsedCall]]:
         buf, self._buf = self._buf, ""
@@ -133,6 +130,39 @@ class _JsonStream(ToolCallStream):
         return ("", calls) if calls else (buf, [])
 
 
+def _json_body(body: str) -> ParsedCall | None:
+    try:
+        return _call_from_json(json.loads(body), ("arguments", "parameters"))
+    except json.JSONDecodeError:
+        return None
+
+
+_FUNCTION = re.compile(r"^\s*<function=([^>\n]+)>(.*)</function>\s*$", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+
+
+def _xml_body(body: str, tools: list[dict]) -> ParsedCall | None:
+    """Qwen's XML call; each value is JSON-decoded unless its parameter is a string (or not JSON)."""
+    m = _FUNCTION.match(body)
+    if m is None:
+        return None
+    name, inner = m.group(1).strip(), m.group(2)
+    props = next((((t.get("function") or {}).get("parameters") or {}).get("properties") or {}
+                  for t in tools if (t.get("function") or {}).get("name") == name), {})
+    args: dict[str, Any] = {}
+    for key, raw in _PARAMETER.findall(inner):
+        value: Any = raw.strip()
+        if (props.get(key) or {}).get("type") != "string":
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                pass
+        args[key.strip()] = value
+    if _PARAMETER.sub("", inner).strip():   # stray text between parameters: not a call
+        return None
+    return ParsedCall(name, json.dumps(args, ensure_ascii=False))
+
+
 def _json_calls(text: str) -> list[ParsedCall]:
     """`{...}; {...}` -> calls; [] when any piece is not a call."""
     dec, calls, i = json.JSONDecoder(), [], 0
@@ -156,13 +186,19 @@ class ToolParser:
     name: str
     xgrammar_format: str                # get_model_structural_tag's model name
     markers: tuple[str, ...]            # chat-template text that identifies the format
+    unless: tuple[str, ...] = ()        # ... unless the template has this (a more specific format)
 
-    def stream(self) -> ToolCallStream:
-        return _TaggedStream("<tool_call>", "</tool_call>") if self.name == "hermes" else _JsonStream()
+    def stream(self, tools: list[dict] | None = None) -> ToolCallStream:
+        """`tools`: the request's tools (the XML format reads their parameter types)."""
+        if self.name == "hermes":
+            return _TaggedStream("<tool_call>", "</tool_call>", _json_body)
+        if self.name == "qwen3_coder":
+            return _TaggedStream("<tool_call>", "</tool_call>", lambda body: _xml_body(body, tools or []))
+        return _JsonStream()
 
-    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+    def parse(self, text: str, tools: list[dict] | None = None) -> tuple[str | None, list[ParsedCall]]:
         """(content, calls) of a whole output; content None when only calls (and blanks) remain."""
-        s = self.stream()
+        s = self.stream(tools)
         c1, k1 = s.feed(text)
         c2, k2 = s.flush()
         content = (c1 + c2).strip()
@@ -180,7 +216,8 @@ class ToolParser:
 
 
 TOOL_PARSERS = {
-    "hermes": ToolParser("hermes", "qwen_3", ("<tool_call>",)),
+    "hermes": ToolParser("hermes", "qwen_3", ("<tool_call>",), unless=("<function=",)),
+    "qwen3_coder": ToolParser("qwen3_coder", "qwen_3_5", ("<function=",)),
     "llama3_json": ToolParser("llama3_json", "llama", ("<|python_tag|>", '"parameters"')),
 }
 
@@ -191,7 +228,8 @@ def get_tool_parser(name: str | None, chat_template: str | None) -> ToolParser |
     if name in (None, "auto"):
         if not isinstance(chat_template, str) or "tools" not in chat_template:
             return None
-        hits = [p for p in TOOL_PARSERS.values() if any(m in chat_template for m in p.markers)]
+        hits = [p for p in TOOL_PARSERS.values() if any(m in chat_template for m in p.markers)
+                and not any(u in chat_template for u in p.unless)]
         return hits[0] if len(hits) == 1 else None
     if name == "none":
         return None
