@@ -253,6 +253,15 @@ def test_bad_schemas_and_unknown_tools_are_400(srv: LiveServer) -> None:
         assert "--tool-call-parser" in err["message"]
     finally:
         config.tool_call_parser = "auto"
+    import ninfer.server.agent as agent
+    real = agent.have_xgrammar
+    agent.have_xgrammar = lambda: False
+    try:
+        err = assert_envelope(chat(response_format={"type": "json_object"}), 400)
+        assert "xgrammar" in err["message"] and err["param"] == "response_format"
+        assert chat(tools=TOOLS).status_code == 200          # tool_choice auto needs no grammar
+    finally:
+        agent.have_xgrammar = real
     assert chat().status_code == 200   # still serving
     srv.wait_idle()
 

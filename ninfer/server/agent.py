@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -44,8 +45,9 @@ class ChatPlan:
 
     # -------------------------------------------------------------- the grammar
 
-    def reasoning_mode(self, prompt_tail: str) -> str:
-        """xgrammar's reasoning mode for the constrained part: "enabled" (inside a block the prompt
+    def read_prompt(self, prompt_tail: str) -> str:
+        """Note whether the prompt (its last tokens' text) opened a reasoning block, and return
+        xgrammar's reasoning mode for a constrained output: "enabled" (inside a block the prompt
         opened), "auto" (the model may think first), "disabled" (no parser, or thinking off)."""
         if self.reasoning is None:
             return "disabled"
@@ -59,7 +61,7 @@ class ChatPlan:
         """The StructuredSpec this request's output must follow, or None."""
         from ninfer.engine.structured import StructuredSpec
 
-        mode = self.reasoning_mode(prompt_tail)
+        mode = self.read_prompt(prompt_tail)
         if self.tool_parser is not None and self.tool_choice != "auto":
             return StructuredSpec("structural_tag", self.tool_parser.structural_tag(
                 self.tools, self.tool_choice, mode, self.parallel))
@@ -77,9 +79,13 @@ class ChatPlan:
             return params
         tok = serving.engine.tokenizer
         tail = await serving.on_tokenizer(tok.decode, prompt_ids[-32:], skip_special_tokens=False)
-        spec = self.spec(tail)
-        if spec is None:
+        if self.schema is None and (self.tool_parser is None or self.tool_choice == "auto"):
+            self.read_prompt(tail)        # only where the reasoning starts matters
             return params
+        if not have_xgrammar():
+            raise PlanError("this server cannot constrain output: the xgrammar package is not installed "
+                            "(pip install 'ninfer[structured]')", "response_format" if self.schema is not None else "tool_choice")
+        spec = self.spec(tail)
         grammars = getattr(serving.engine.engine, "grammars", None)   # GrammarCache: thread-safe
         if grammars is None:
             raise PlanError("this engine has no structured-output support", "response_format")
@@ -217,6 +223,10 @@ def _think_then_json(reasoning: ReasoningParser, mode: str, schema: dict) -> str
         think = st.OptionalFormat(content=think)
     body = st.SequenceFormat(elements=[think, st.JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=1)])
     return st.StructuralTag(format=body).model_dump_json()
+
+
+def have_xgrammar() -> bool:
+    return importlib.util.find_spec("xgrammar") is not None
 
 
 def _finish(reason: str | None, called: bool) -> str | None:
