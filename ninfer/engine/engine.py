@@ -24,6 +24,7 @@ from ninfer.engine.request import Request, RequestOutput
 from ninfer.engine.sampling import SampleRow, SamplingParams, sample
 from ninfer.engine.scheduler import Scheduler
 from ninfer.attention.selector import select_backend
+from ninfer.engine.structured import BitmaskFiller, GrammarCache, GrammarState
 from ninfer.kvcache.block_manager import BlockManager
 from ninfer.kvcache.formats import KVFormat, get_format
 from ninfer.kvcache.planner import MemoryPlan, device_memory, plan_for_engine
@@ -153,6 +154,10 @@ class LLMEngine:
         self.model_config: ModelConfig = self.model.config
         self.tokenizer = _tokenizer(self.model_dir)
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
+        # Structured output: compiled grammars by spec (thread-safe: the server compiles ahead) and
+        # the step's bitmask buffer. Nothing of xgrammar loads until a constrained request comes.
+        self.grammars = GrammarCache(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
+        self._bitmasks = BitmaskFiller(self.model.config.vocab_size)
 
         if self.model.cache_specs(self.kv_format) != self.cache_spec:
             raise RuntimeError("the loaded model declares another cache spec than the one planned")
@@ -244,6 +249,8 @@ class LLMEngine:
             include_stop_str_in_output=params.include_stop_str_in_output)
         req = Request(request_id, ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
                       generator=gen, detokenizer=detok, prompt=text)
+        if params.structured is not None:   # compiled already when the server sent it (a cache hit)
+            req.grammar = GrammarState(self.grammars.compile(params.structured))
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -278,7 +285,9 @@ class LLMEngine:
         with torch.inference_mode():  # logits are inference tensors; a hook may edit them in place
             if self.logits_hook is not None:
                 self.logits_hook(reqs, logits)
-            result = sample(logits, [self._sample_row(r) for r in reqs])   # its host copy syncs the device
+            constrained = [j for j, r in enumerate(reqs) if r.grammar is not None]
+            mask = self._bitmasks.fill([reqs[j].grammar for j in constrained]) if constrained else None
+            result = sample(logits, [self._sample_row(r) for r in reqs], mask, constrained)
         self.scheduler.observe_step(batch, time.perf_counter() - t0)
         outputs: list[RequestOutput] = []
         bad = set(result.bad_rows)
@@ -293,7 +302,12 @@ class LLMEngine:
                 self.generation_tokens_total += 1
                 req.append_token(result.token_ids[j], result.logprobs[j],
                                  result.top_logprobs[j] if result.top_logprobs else None)
-                self._check_stop(req, result.token_ids[j])
+                if req.grammar is not None and not req.grammar.accept(result.token_ids[j]):
+                    req.finish("error", error=f"token {result.token_ids[j]} rejected by the grammar of {req.request_id}")
+                else:
+                    self._check_stop(req, result.token_ids[j])
+                    if req.grammar is not None and req.grammar.terminated and not req.is_finished:
+                        req.finish("stop")   # the grammar ended with its stop token (ignore_eos)
             outputs.append(req.make_output())
             if req.is_finished:
                 self.scheduler.finish(req)
@@ -311,7 +325,7 @@ class LLMEngine:
     def _sample_row(self, req: Request) -> SampleRow:
         p = req.params
         banned: list[int] = []
-        if req.num_output_tokens < p.min_tokens:
+        if req.num_output_tokens < p.min_tokens and req.grammar is None:   # a grammar decides its own end
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(req.eos_token_ids))
         # Only the penalties read the output ids: skip copying them (O(output) per step) otherwise.
         return SampleRow(p, req.generator, req.prompt_token_ids, req.output_token_ids if p.penalized else [], banned)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -52,6 +53,7 @@ class Request:
         self.error: str | None = None
         self.first_token_time: float | None = None
         self._sent_tokens = 0                 # output tokens already reported in a RequestOutput
+        self.grammar: Any = None              # GrammarState (ninfer.engine.structured) of a constrained request
 
     # -- sizes -------------------------------------------------------------------------------
     @property

@@ -9,6 +9,7 @@ distribution (before penalties and temperature), as vLLM reports them by default
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,6 +34,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     min_tokens: int = 0                  # EOS / stop tokens are masked until this many tokens exist
+    structured: Any = None               # a ninfer.engine.structured.StructuredSpec: grammar-constrained output
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,6 +77,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if self.structured is not None and not hasattr(self.structured, "kind"):
+            raise ValueError(f"structured must be a StructuredSpec, got {self.structured!r}")
 
     @property
     def greedy(self) -> bool:
@@ -145,8 +149,13 @@ def _needs_penalties(row: SampleRow) -> bool:
     return row.params.penalized or bool(row.banned_token_ids)
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+def sample(logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | None = None,
+           bitmask_rows: list[int] | None = None) -> SampleResult:
     """logits [N, V] float32, one row per entry of `rows` -> one token id per row.
+
+    `bitmask` (int32 [len(bitmask_rows), ceil(V/32)], from ninfer.engine.structured) constrains the
+    rows `bitmask_rows` to a grammar: a 0 bit sets that token's logit to -inf before anything else.
+    A batch without constrained rows passes None and pays nothing.
 
     Greedy rows without penalties take one batched argmax; the others are drawn row by row with
     their own generator. Everything stays on the logits' device until one final host copy (no
@@ -154,7 +163,10 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
     n = len(rows)
     logits = logits.float()
-    finite = torch.isfinite(logits).all(dim=-1)
+    finite = torch.isfinite(logits).all(dim=-1)   # before the mask: its -inf are not garbage
+    if bitmask is not None:
+        from ninfer.engine.structured import apply_bitmask
+        apply_bitmask(logits, bitmask, bitmask_rows or [])
     penalized = [i for i, r in enumerate(rows) if _needs_penalties(r)]
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     x = logits

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from ninfer.config import add_engine_args, engine_config_from_args, parse_token_count
+from ninfer.server.reasoning import REASONING_PARSERS
+from ninfer.server.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:
     from ninfer.server.async_engine import AsyncEngine
@@ -98,6 +100,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "final event (default %(default)s)")
     g.add_argument("--no-thinking", action="store_true",
                    help="render chat templates with enable_thinking=False (where the template has it)")
+    g.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", *REASONING_PARSERS],
+                   help="split <think> blocks into reasoning_content: auto = when the chat template has "
+                        "</think>; none = leave them in content (default %(default)s)")
+    g.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *TOOL_PARSERS],
+                   help="parse the model's tool calls into tool_calls: auto = picked from the chat template "
+                        "when only one format fits (default %(default)s)")
     g.add_argument("--greedy", action="store_true", help="decode every request greedily (temperature 0, overriding requests)")
     g.add_argument("--max-body-size", type=parse_token_count, default=64 << 20, metavar="BYTES",
                    help="largest request body; larger gets HTTP 413 (default 64M = 64 MiB)")
@@ -155,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
     name = served_name(args.model, args.served_model_name)
     serving = ServingConfig(served_model_name=name, model_path=args.model or "", no_thinking=args.no_thinking,
                             default_max_tokens=args.max_tokens_default, greedy=args.greedy,
-                            sampling_defaults=defaults, kv_dtype=cfg.kv_dtype)
+                            sampling_defaults=defaults, kv_dtype=cfg.kv_dtype, reasoning_parser=args.reasoning_parser,
+                            tool_call_parser=args.tool_call_parser)
     settings = AppSettings(api_key=args.api_key or None, max_body_bytes=args.max_body_size,
                            max_in_flight=cfg.max_num_seqs + args.max_pending_requests,
                            request_log_jsonl=args.request_log_jsonl)

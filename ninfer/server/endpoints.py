@@ -5,6 +5,7 @@ is a proper HTTP error; once a stream has started, a failure becomes an `error` 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -14,9 +15,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 
+from ninfer.server.agent import ChatPlan, plan_for
 from ninfer.server.async_engine import RequestStream
 from ninfer.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                    ChatLogprob, ChatResponseMessage, ChatStreamChoice, ChoiceLogprobs,
+                                    ChatLogprob, ChatStreamChoice, ChoiceLogprobs,
                                     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                     DeltaMessage, PromptTokensDetails, Usage)
 from ninfer.server.serving import APIError, OpenAIServing, Tracker, message_texts
@@ -181,14 +183,16 @@ async def create_chat_completion(sv: OpenAIServing, req: ChatCompletionRequest, 
             raise APIError(400, "add_generation_prompt and continue_final_message cannot both be true",
                            param="continue_final_message")
         sv.check_text_fits(message_texts(req.messages), "messages")
+        plan = plan_for(sv, req)   # tools, tool_choice, response_format, reasoning
         prompt_ids = await sv.on_tokenizer(sv.chat_prompt_ids, req.messages,
                                            add_generation_prompt=req.add_generation_prompt,
                                            continue_final_message=req.continue_final_message,
-                                           template_kwargs=req.chat_template_kwargs)
+                                           template_kwargs=plan.template_kwargs)
         parent.prompt_tokens = len(prompt_ids)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sv.sampling_params(req, len(prompt_ids), max_tokens, param="messages",
                                     logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        params = await plan.constrain(sv, params, prompt_ids)
         choices = _samples(sv, parent, req.n, 0, prompt_ids, params)
         await _submit_all(sv, choices)
     except APIError as e:
@@ -197,15 +201,17 @@ async def create_chat_completion(sv: OpenAIServing, req: ChatCompletionRequest, 
 
     async def make_choice(ch: Choice, last: Any) -> ChatChoice:
         logprobs = await _chat_logprobs(sv, *_new_logprobs(last, len(last.token_ids))) if req.logprobs else None
-        return ChatChoice(index=ch.index, message=ChatResponseMessage(content=last.text), logprobs=logprobs,
-                          finish_reason=last.finish_reason)
+        message, finish = plan.message(last.text, last.finish_reason)
+        return ChatChoice(index=ch.index, message=message, logprobs=logprobs, finish_reason=finish)
 
-    return await _respond(sv, raw, req, parent, choices, _chat_stream, make_choice, ChatCompletionResponse)
+    return await _respond(sv, raw, req, parent, choices, functools.partial(_chat_stream, plan=plan), make_choice,
+                          ChatCompletionResponse)
 
 
 async def _chat_stream(sv: OpenAIServing, req: ChatCompletionRequest, choices: list[Choice], rid: str,
-                       model: str, created: int) -> AsyncIterator[str]:
+                       model: str, created: int, *, plan: ChatPlan) -> AsyncIterator[str]:
     include_usage, continuous = _stream_flags(req)
+    outs = {ch.index: plan.streamer() for ch in choices}   # reasoning / tool-call split per choice
 
     def chunk(index: int, delta: DeltaMessage | None, finish: str | None = None,
               logprobs: ChoiceLogprobs | None = None) -> str:
@@ -223,10 +229,14 @@ async def _chat_stream(sv: OpenAIServing, req: ChatCompletionRequest, choices: l
             lp = None
             if req.logprobs and _n_new(steps):
                 lp = await _chat_logprobs(sv, *_new_logprobs(last, _n_new(steps)))
-            if text or lp is not None:
-                yield chunk(index, DeltaMessage(content=text), logprobs=lp)
+            deltas = outs[index].feed(text) if text else []
+            for k, delta in enumerate(deltas or ([DeltaMessage()] if lp is not None else [])):
+                yield chunk(index, delta, logprobs=lp if k == 0 else None)
             if last.finished:
-                yield chunk(index, None, finish=last.finish_reason)
+                deltas, finish = outs[index].finish(last.finish_reason)
+                for delta in deltas:
+                    yield chunk(index, delta)
+                yield chunk(index, None, finish=finish)
         if include_usage:
             yield _sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=_usage(choices)))
     except APIError as e:

@@ -60,6 +60,8 @@ class ServingConfig:
     greedy: bool = False                      # force temperature 0 on every request
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # SamplingParams field -> value
     kv_dtype: str = ""
+    reasoning_parser: str = "auto"            # a ninfer.server.reasoning name, "auto" (from the template) or "none"
+    tool_call_parser: str = "auto"            # a ninfer.server.tool_parsers name, "auto" or "none"
 
 
 @dataclass
@@ -401,7 +403,8 @@ def message_texts(messages: list[ChatMessage]) -> list[str]:
 
 
 def _message_dict(m: ChatMessage) -> dict[str, Any]:
-    d = m.model_dump(exclude_none=True)
+    from ninfer.server.agent import template_message
+    d = template_message(m.model_dump(exclude_none=True))
     if isinstance(m.content, list):
         texts = []
         for part in m.content:
