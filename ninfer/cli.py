@@ -21,6 +21,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "matched": ("ninfer.bench.matched", "same model and prompt, only --kv-dtype differs"),
     "sweep": ("ninfer.bench.sweep", "prefill/decode speed from 32K to the largest context"),
     "memory": ("ninfer.bench.memory", "planned vs allocated vs device-peak memory"),
+    "prefill": ("ninfer.bench.prefill", "TTFT and prefill tok/s per kv-dtype vs transformers; prefill kernels vs SDPA"),
 }
 
 

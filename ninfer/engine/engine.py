@@ -79,8 +79,8 @@ def _eos_token_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
 def _make_backend(pool: KVCachePool, device: torch.device) -> Any:
     # Triton only exists for CUDA; import lazily so CPU installs never touch it.
     if device.type == "cuda":
-        from ninfer.attention.triton_backend import TritonAttentionBackend
-        return TritonAttentionBackend(pool)
+        from ninfer.attention.prefill_sdpa import SdpaPrefillBackend
+        return SdpaPrefillBackend(pool)
     from ninfer.attention.reference import ReferenceAttentionBackend
     return ReferenceAttentionBackend(pool)
 

@@ -1,0 +1,199 @@
+"""Chunked-prefill attention at tensor-core speed for every KV format: dequantize, then torch SDPA.
+
+Per sequence of the step (its chunk of Tq new tokens already stored, ``ctx`` tokens cached before):
+
+1. Q is rotated once into the stored domain for the rotated formats (word order, ``hadamard.py``;
+   the rotation is orthonormal, so scores are unchanged) and laid out as ``[Hkv, g * Tq, D]``:
+   the query group folded into the query length, exact for unmasked attention, so the cached part
+   needs no GQA expansion of K/V.
+2. The cached tokens [0, ctx) are dequantized ``kv_chunk`` tokens at a time into a dense workspace
+   (``ninfer/kernels/dequant_pages.py``, one memory-bound pass) and attended without a mask.
+3. The chunk's own tokens [ctx, ctx + Tq) are read back from the pages (what is attended is what
+   is stored) and attended causally, K/V expanded to the query heads (small: Tq x Tq).
+4. Partial results are merged by their log-sum-exp in float32 and the output is rotated back once.
+
+SDPA backends (all return the log-sum-exp): CUDA tries cuDNN first and falls back to flash on
+any refusal (remembered per shape class); CPU uses aten's CPU flash kernel. The dequantize step is
+a Triton kernel (CPU tests run it under ``TRITON_INTERPRET=1``); ``dequant=`` swaps in the torch
+reference for fast logic tests.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ninfer.attention.triton_backend import TritonAttentionBackend
+from ninfer.kernels.dequant_pages import dequant_pages
+from ninfer.kernels.store_kv import store_kv
+from ninfer.kvcache.formats import get_format
+
+KV_CHUNK = 65536  # cached tokens dequantized per SDPA call: the workspace is 2 x Hkv x KV_CHUNK x D values
+# Backends refused at run time, per (device type, head_dim, dtype): never retried.
+_REFUSED: set[tuple] = set()
+SDPA_ORDER: tuple[str, ...] = ("cudnn", "flash")  # CUDA preference; the bench reorders it to time each
+
+
+def workspace_bytes(num_heads: int, num_kv_heads: int, head_dim: int, chunk_tokens: int,
+                    kv_chunk: int = KV_CHUNK, elem: int = 2) -> int:
+    """Peak transient device bytes of one layer's call (for the memory plan): K/V workspace of
+    kv_chunk + chunk tokens, the folded Q, the expanded chunk K/V, one SDPA output (workspace dtype)
+    and the float32 accumulator plus the rotated-back output and the log-sum-exps."""
+    t = chunk_tokens
+    kv = 2 * num_kv_heads * (min(kv_chunk, 1 << 40) + t) * head_dim * elem
+    per_q = num_heads * t * head_dim
+    return kv + per_q * (4 * elem + 2 * 4) + 3 * num_heads * t * 4
+
+
+@functools.lru_cache(maxsize=None)
+def _word_rotation(device: torch.device) -> torch.Tensor:
+    from ninfer.kernels.hadamard import word_order_rotation
+    return word_order_rotation(torch.float32, device)
+
+
+def _rotate(x: torch.Tensor, back: bool) -> torch.Tensor:
+    """[..., D] natural -> rotated word order (back: the inverse), in float32."""
+    m = _word_rotation(x.device)
+    d = x.shape[-1]
+    y = x.to(torch.float32).reshape(*x.shape[:-1], d // 64, 64) @ (m.T if back else m)
+    return y.reshape(x.shape)
+
+
+def sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+             order: tuple[str, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H, Lq, D], k/v [B, H, Lk, D] (same heads) -> (out [B, H, Lq, D], lse float32 [B, H, Lq]),
+    causal aligned top-left (query i sees keys 0..i). Natural-log lse."""
+    b, h, lq, _ = q.shape
+    if q.device.type != "cuda":
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return o, lse.reshape(b, h, lq)
+    for name in order or SDPA_ORDER:
+        key = (name, q.shape[-1], q.dtype)
+        if key in _REFUSED:
+            continue
+        try:
+            if name == "cudnn":
+                r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                       scale=scale)
+            else:
+                r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+            return r[0], r[1].reshape(b, h, lq).float()
+        except RuntimeError:
+            _REFUSED.add(key)
+    raise RuntimeError(f"no SDPA backend with log-sum-exp runs head_dim {q.shape[-1]} {q.dtype} "
+                       f"(tried {', '.join(order or SDPA_ORDER)})")
+
+
+def _merge(acc: list, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """Fold one partial (o, lse) into acc = [o, lse] (float32, or float64 inputs' float64):
+    o_total = lerp(o_acc, o, sigmoid(lse - lse_acc)), lse_total = lse_acc + softplus(lse - lse_acc)."""
+    dt = torch.promote_types(o.dtype, torch.float32)
+    if not acc:
+        acc.extend([o.to(dt), lse.to(dt)])
+        return
+    diff = lse.to(dt) - acc[1]
+    acc[0].lerp_(o.to(dt), torch.sigmoid(diff)[..., None])
+    acc[1] = acc[1] + F.softplus(diff)
+
+
+def prefill_sdpa(q: torch.Tensor, planes: dict, fmt_name: str, query_lens: list[int], seq_lens: list[int],
+                 block_tables: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
+                 kv_chunk: int = KV_CHUNK, ws_dtype: torch.dtype | None = None,
+                 dequant: Callable | None = None, order: tuple[str, ...] | None = None) -> torch.Tensor:
+    """Causal attention of the flattened new tokens ``q`` [T, Hq, D] (natural order; sequence b owns
+    ``query_lens[b]`` rows, in order) over their pages, the chunks already stored. ``seq_lens`` are
+    host ints (cached + new), ``block_tables`` [B, max_pages] int32 on q's device. ``ws_dtype``: the
+    workspace (SDPA operand) dtype, default q's (bf16/fp16; float32 on CPU runs too).
+    Returns out [T, Hq, D] in q's dtype."""
+    fmt = get_format(fmt_name)
+    t, hq, d = q.shape
+    hkv = planes["k"].shape[1]
+    if hq % hkv or len(query_lens) != len(seq_lens) or sum(query_lens) != t:
+        raise ValueError(f"prefill_sdpa: q {list(q.shape)}, {hkv} KV heads, query_lens {query_lens[:8]}..., "
+                         f"seq_lens {seq_lens[:8]}... disagree")
+    g = hq // hkv
+    wdt = ws_dtype or q.dtype
+
+    def fill(bt: torch.Tensor, tok0: int, n: int, ws: torch.Tensor) -> None:
+        if dequant is None:
+            dequant_pages(planes, fmt.name, bt, tok0, n, ws[0], ws[1])
+        else:  # a torch oracle with the signature of dequant_pages_ref
+            k, v = dequant(planes, fmt.name, bt, tok0, n, ws.dtype)
+            ws[0, :, :n], ws[1, :, :n] = k, v
+
+    out = torch.empty_like(q) if out is None else out
+    kv_chunk = max(int(kv_chunk), max(query_lens, default=1))
+    ws = None
+    q0 = 0
+    for b, (tq, sl) in enumerate(zip(query_lens, seq_lens)):
+        if tq == 0:
+            continue
+        ctx = sl - tq
+        if ctx < 0:
+            raise ValueError(f"prefill_sdpa: sequence {b} has {tq} new tokens but seq_len {sl}")
+        bt = block_tables[b]
+        qb = q[q0:q0 + tq]
+        if fmt.rotated:
+            qb = _rotate(qb, back=False)
+        # [Tq, Hq, D] -> [Hkv, g * Tq, D] (row gi * Tq + i); viewed as [Hq, Tq, D] it is head-major
+        qf = qb.to(wdt).view(tq, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * tq, d)
+        if ws is None:
+            ws = torch.empty(2, hkv, min(kv_chunk, max(seq_lens)), d, dtype=wdt, device=q.device)
+        acc: list = []
+        for k0 in range(0, ctx, kv_chunk):
+            n = min(kv_chunk, ctx - k0)
+            fill(bt, k0, n, ws)
+            o, lse = sdpa_lse(qf[None], ws[0, None, :, :n], ws[1, None, :, :n], False, scale, order)
+            _merge(acc, o[0], lse[0])
+        fill(bt, ctx, tq, ws)
+        kc, vc = (ws[i, :, :tq].repeat_interleave(g, dim=0)[None] for i in (0, 1))  # [1, Hq, Tq, D]
+        o, lse = sdpa_lse(qf.view(1, hq, tq, d), kc, vc, True, scale, order)
+        _merge(acc, o.reshape(hkv, g * tq, d), lse.reshape(hkv, g * tq))
+        ob = acc[0].view(hkv, g, tq, d).permute(2, 0, 1, 3).reshape(tq, hq, d)
+        if fmt.rotated:
+            ob = _rotate(ob, back=True)
+        out[q0:q0 + tq] = ob.to(out.dtype)
+        q0 += tq
+    return out
+
+
+def prefill_flops(query_lens: list[int], seq_lens: list[int], num_heads: int, head_dim: int) -> float:
+    """Attention FLOPs of a step (QK^T and PV, causal in the chunk): 4 Hq D Tq (ctx + Tq / 2) each."""
+    return float(sum(4.0 * num_heads * head_dim * tq * ((sl - tq) + tq / 2)
+                     for tq, sl in zip(query_lens, seq_lens)))
+
+
+
+class SdpaPrefillBackend(TritonAttentionBackend):
+    """The CUDA backend with prefill through :func:`prefill_sdpa`: store and decode as the Triton
+    backend does; steps whose longest chunk has fewer than ``min_chunk`` tokens (decode-heavy mixed
+    steps, where per-sequence SDPA calls cost more than they win) stay on the Triton prefill kernel."""
+
+    name = "triton+sdpa-prefill"
+
+    def __init__(self, pool, *, num_splits: int | None = None, min_chunk: int = 128) -> None:
+        super().__init__(pool, num_splits=num_splits)
+        self.min_chunk = int(min_chunk)
+
+    def kernel_paths(self, num_heads: int, dtype: torch.dtype) -> str:
+        return super().kernel_paths(num_heads, dtype).replace(
+            "prefill=triton", f"prefill=sdpa ({'/'.join(SDPA_ORDER)}; triton under {self.min_chunk}-token chunks)")
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta,
+                scale: float) -> torch.Tensor:
+        if meta.is_decode or meta.max_query_len < self.min_chunk:
+            return super().forward(layer, q, k, v, meta, scale)
+        t, hq, d = q.shape
+        if k.shape[0] != t or v.shape != k.shape or k.shape[2] != d or hq % k.shape[1]:
+            raise ValueError(f"SdpaPrefillBackend: q {list(q.shape)} k {list(k.shape)} v {list(v.shape)} disagree")
+        planes = self.pool.layers[layer]
+        store_kv(k, v, planes, meta.slot_mapping, self.fmt.name)
+        qlens = meta.query_lens_cpu if meta.query_lens_cpu is not None else \
+            (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
+        slens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
+        return prefill_sdpa(q, planes, self.fmt.name, list(qlens), list(slens), meta.block_tables, scale)
+
+
+__all__ = ["prefill_sdpa", "sdpa_lse", "workspace_bytes", "prefill_flops", "KV_CHUNK", "SdpaPrefillBackend"]
