@@ -145,6 +145,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--profile-layers", type=int, default=0)
+    ap.add_argument("--shapes", default="all", help="all, or comma-separated indices into SHAPES")
+    ap.add_argument("--quick-kernels", action="store_true", help="kernel table without the flash-only and Triton rows")
     ap.add_argument("--cpu-dry-run", action="store_true", help="tiny checks on CPU (TRITON_INTERPRET=1) only")
     a = ap.parse_args()
     dev = torch.device("cpu" if a.cpu_dry_run else "cuda")
@@ -154,6 +156,8 @@ def main() -> int:
     checks = []
     for i, fmt in enumerate(FORMATS):
         for j, (hq, hkv, d) in enumerate(SHAPES):
+            if a.shapes != "all" and str(j) not in a.shapes.split(","):
+                continue
             try:
                 checks.append(check(fmt, hq, hkv, d, 100 * i + j, dev, a.cpu_dry_run))
             except Exception as e:
@@ -165,7 +169,8 @@ def main() -> int:
     if not a.skip_kernels and not a.cpu_dry_run:
         from ninfer.bench.prefill import kernel_rows, kernel_table
         rows = kernel_rows([32768, 131072], ["bf16", "int8", "rk4v4-e8"], 4096,
-                           orders={"": None, "flash": ("flash",)}, triton_too=True)
+                           orders={"": None} if a.quick_kernels else {"": None, "flash": ("flash",)},
+                           triton_too=not a.quick_kernels)
         res["kernels"] = rows
         save(a.out, res)
         print(f"kernels done {time.perf_counter() - t_start:.0f} s", flush=True)

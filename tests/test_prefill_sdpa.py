@@ -83,11 +83,10 @@ def test_prefill_sdpa_matches_reference(fmt, shape):
     import torch
 
     from ninfer.attention.prefill_sdpa import prefill_sdpa
-    from ninfer.kernels.dequant_pages import dequant_pages_ref
 
     def run(q, pool, meta, scale):
         return prefill_sdpa(q, pool.layers[0], fmt, meta.query_lens_cpu, meta.seq_lens_cpu, meta.block_tables,
-                            scale, kv_chunk=16, dequant=dequant_pages_ref, ws_dtype=q.dtype)
+                            scale, kv_chunk=16, torch_ops=True, ws_dtype=q.dtype)
 
     for seed in range(3):
         hq, hkv, d = shape
@@ -129,7 +128,7 @@ def test_merge_by_lse_equals_one_softmax():
 
 # --------------------------------------------------------------------------- interpreter child
 CHILD_CASES = [(f"dequant-{f}", f, 200 + i) for i, f in enumerate(FORMATS)] + \
-              [(f"backend-{f}", f, 300 + i) for i, f in enumerate(FORMATS)]
+              [(f"backend-{f}", f, 300 + i) for i, f in enumerate(FORMATS)] + [("io", "", 400)]
 
 
 def _dequant_case(name, fmt, seed):
@@ -188,8 +187,38 @@ def _backend_case(name, fmt, seed):
     return res
 
 
+def _io_case(name, _fmt, seed):
+    """fold_q / merge_out kernels against their float64-merging torch oracles: max abs error."""
+    import torch
+
+    from ninfer.kernels import sdpa_io as IO
+
+    gen = torch.Generator().manual_seed(seed)
+    res = {"name": name, "fold": [], "merge": []}
+    for rot in (False, True):
+        for hq, hkv, d, t in SHAPES_IO:
+            q = torch.randn(t, hq, d, generator=gen).to(torch.bfloat16)
+            for dt in (torch.float32, torch.bfloat16):
+                res["fold"].append(float((IO.fold_q(q, rot, dt).float() - IO.fold_q_ref(q, rot, dt).float()).abs().max()))
+            g = hq // hkv
+            o1 = torch.randn(hkv, g * t, d, generator=gen).to(torch.bfloat16)  # folded
+            o2 = torch.randn(hq, t, d, generator=gen).to(torch.bfloat16)  # per head
+            l1, l2 = torch.randn(hkv, g * t, generator=gen) * 4, torch.randn(hq, t, generator=gen) * 4
+            for parts in ([(o1, l1, True)], [(o1, l1, True), (o2, l2, False)], [(o2, l2, False)]):
+                out = torch.full((t, hq, d), float("nan"))
+                ref = out.clone()
+                IO.merge_out(parts, out, g, rot)
+                IO.merge_out_ref(parts, ref, g, rot)
+                res["merge"].append(float((out - ref).abs().max()))
+    return res
+
+
+SHAPES_IO = [(4, 4, 64, 37), (8, 2, 128, 45), (6, 1, 256, 33)]
+
+
 def _run_case(name, fmt, seed):
-    return (_dequant_case if name.startswith("dequant") else _backend_case)(name, fmt, seed)
+    run = {"dequant": _dequant_case, "backend": _backend_case, "io": _io_case}[name.split("-")[0]]
+    return run(name, fmt, seed)
 
 
 def _child() -> int:
@@ -211,6 +240,12 @@ def test_sdpa_backend_matches_reference(results, fmt):
     r = case_result(results, f"backend-{fmt}")
     assert all(r["planes_equal"]), r
     assert all(x <= 1e-2 for x in r["rel"]), r
+
+
+def test_fold_and_merge_kernels(results):
+    r = case_result(results, "io")
+    assert max(r["fold"]) <= 1e-6, r["fold"]  # bf16 outputs: the same rounding of the same float32 value
+    assert max(r["merge"]) <= 1e-5, r["merge"]  # float32 outputs of float32 merges of |o| < 5
 
 
 if __name__ == "__main__" and "--child" in sys.argv:

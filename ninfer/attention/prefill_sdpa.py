@@ -19,14 +19,12 @@ reference for fast logic tests.
 """
 from __future__ import annotations
 
-import functools
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 
 from ninfer.attention.triton_backend import TritonAttentionBackend
-from ninfer.kernels.dequant_pages import dequant_pages
+from ninfer.kernels import sdpa_io as IO
+from ninfer.kernels.dequant_pages import dequant_pages, dequant_pages_ref
 from ninfer.kernels.store_kv import store_kv
 from ninfer.kvcache.formats import get_format
 
@@ -45,20 +43,6 @@ def workspace_bytes(num_heads: int, num_kv_heads: int, head_dim: int, chunk_toke
     kv = 2 * num_kv_heads * (min(kv_chunk, 1 << 40) + t) * head_dim * elem
     per_q = num_heads * t * head_dim
     return kv + per_q * (4 * elem + 2 * 4) + 3 * num_heads * t * 4
-
-
-@functools.lru_cache(maxsize=None)
-def _word_rotation(device: torch.device) -> torch.Tensor:
-    from ninfer.kernels.hadamard import word_order_rotation
-    return word_order_rotation(torch.float32, device)
-
-
-def _rotate(x: torch.Tensor, back: bool) -> torch.Tensor:
-    """[..., D] natural -> rotated word order (back: the inverse), in float32."""
-    m = _word_rotation(x.device)
-    d = x.shape[-1]
-    y = x.to(torch.float32).reshape(*x.shape[:-1], d // 64, 64) @ (m.T if back else m)
-    return y.reshape(x.shape)
 
 
 def sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
@@ -100,13 +84,14 @@ def _merge(acc: list, o: torch.Tensor, lse: torch.Tensor) -> None:
 
 def prefill_sdpa(q: torch.Tensor, planes: dict, fmt_name: str, query_lens: list[int], seq_lens: list[int],
                  block_tables: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
-                 kv_chunk: int = KV_CHUNK, ws_dtype: torch.dtype | None = None,
-                 dequant: Callable | None = None, order: tuple[str, ...] | None = None) -> torch.Tensor:
+                 kv_chunk: int = KV_CHUNK, ws_dtype: torch.dtype | None = None, torch_ops: bool = False,
+                 order: tuple[str, ...] | None = None) -> torch.Tensor:
     """Causal attention of the flattened new tokens ``q`` [T, Hq, D] (natural order; sequence b owns
     ``query_lens[b]`` rows, in order) over their pages, the chunks already stored. ``seq_lens`` are
     host ints (cached + new), ``block_tables`` [B, max_pages] int32 on q's device. ``ws_dtype``: the
-    workspace (SDPA operand) dtype, default q's (bf16/fp16; float32 on CPU runs too).
-    Returns out [T, Hq, D] in q's dtype."""
+    workspace (SDPA operand) dtype, default q's. ``torch_ops``: the torch oracles instead of the
+    Triton dequantize / fold / merge kernels (fast logic tests on CPU). ``order``: SDPA backends to
+    try on CUDA. Returns out [T, Hq, D] in q's dtype."""
     fmt = get_format(fmt_name)
     t, hq, d = q.shape
     hkv = planes["k"].shape[1]
@@ -115,13 +100,14 @@ def prefill_sdpa(q: torch.Tensor, planes: dict, fmt_name: str, query_lens: list[
                          f"seq_lens {seq_lens[:8]}... disagree")
     g = hq // hkv
     wdt = ws_dtype or q.dtype
+    rot = fmt.rotated
+    fold, merge = (IO.fold_q_ref, IO.merge_out_ref) if torch_ops else (IO.fold_q, IO.merge_out)
 
     def fill(bt: torch.Tensor, tok0: int, n: int, ws: torch.Tensor) -> None:
-        if dequant is None:
+        if not torch_ops:
             dequant_pages(planes, fmt.name, bt, tok0, n, ws[0], ws[1])
-        else:  # a torch oracle with the signature of dequant_pages_ref
-            k, v = dequant(planes, fmt.name, bt, tok0, n, ws.dtype)
-            ws[0, :, :n], ws[1, :, :n] = k, v
+        else:
+            ws[0, :, :n], ws[1, :, :n] = dequant_pages_ref(planes, fmt.name, bt, tok0, n, ws.dtype)
 
     out = torch.empty_like(q) if out is None else out
     kv_chunk = max(int(kv_chunk), max(query_lens, default=1))
@@ -134,27 +120,26 @@ def prefill_sdpa(q: torch.Tensor, planes: dict, fmt_name: str, query_lens: list[
         if ctx < 0:
             raise ValueError(f"prefill_sdpa: sequence {b} has {tq} new tokens but seq_len {sl}")
         bt = block_tables[b]
-        qb = q[q0:q0 + tq]
-        if fmt.rotated:
-            qb = _rotate(qb, back=False)
-        # [Tq, Hq, D] -> [Hkv, g * Tq, D] (row gi * Tq + i); viewed as [Hq, Tq, D] it is head-major
-        qf = qb.to(wdt).view(tq, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * tq, d)
+        qf = fold(q[q0:q0 + tq], rot, wdt)  # [Hq, Tq, D] = the folded [Hkv, g * Tq, D] (row gi * Tq + i)
         if ws is None:
             ws = torch.empty(2, hkv, min(kv_chunk, max(seq_lens)), d, dtype=wdt, device=q.device)
+        cached = None  # the cached part's (o, lse); several KV chunks merge into a float32 accumulator
         acc: list = []
         for k0 in range(0, ctx, kv_chunk):
             n = min(kv_chunk, ctx - k0)
             fill(bt, k0, n, ws)
-            o, lse = sdpa_lse(qf[None], ws[0, None, :, :n], ws[1, None, :, :n], False, scale, order)
-            _merge(acc, o[0], lse[0])
+            o, lse = sdpa_lse(qf.view(1, hkv, g * tq, d), ws[0, None, :, :n], ws[1, None, :, :n], False, scale, order)
+            if cached is not None:
+                if not acc:
+                    _merge(acc, *cached)
+                _merge(acc, o[0], lse[0])
+            cached = (acc[0], acc[1]) if acc else (o[0], lse[0])
+        parts = [] if cached is None else [(cached[0], cached[1], True)]
         fill(bt, ctx, tq, ws)
         kc, vc = (ws[i, :, :tq].repeat_interleave(g, dim=0)[None] for i in (0, 1))  # [1, Hq, Tq, D]
         o, lse = sdpa_lse(qf.view(1, hq, tq, d), kc, vc, True, scale, order)
-        _merge(acc, o.reshape(hkv, g * tq, d), lse.reshape(hkv, g * tq))
-        ob = acc[0].view(hkv, g, tq, d).permute(2, 0, 1, 3).reshape(tq, hq, d)
-        if fmt.rotated:
-            ob = _rotate(ob, back=True)
-        out[q0:q0 + tq] = ob.to(out.dtype)
+        parts.append((o[0], lse[0], False))
+        merge(parts, out[q0:q0 + tq], g, rot)
         q0 += tq
     return out
 
