@@ -30,7 +30,8 @@ import torch  # noqa: E402
 from ninfer.attention import prefill_sdpa as PS  # noqa: E402
 from ninfer.kernels.dequant_pages import dequant_pages, dequant_pages_ref  # noqa: E402
 from ninfer.kernels.prefill import paged_prefill_ref  # noqa: E402
-from ninfer.kernels.store_kv import store_kv  # noqa: E402
+from ninfer.kernels.store_kv import store_kv_triton  # noqa: E402
+from ninfer.kvcache.formats import get_format  # noqa: E402
 from ninfer.kvcache.pool import KVCachePool  # noqa: E402
 
 FORMATS = ("auto", "bf16", "int8", "rk4v4", "rk4v4-e8")
@@ -54,11 +55,11 @@ def check(fmt: str, hq: int, hkv: int, d: int, seed: int, dev: torch.device, sma
         slots = (bt[b].long()[t // PAGE] * PAGE + t % PAGE)
         k = torch.randn(sl[b], hkv, d, device=dev, generator=g).to(torch.bfloat16)
         v = torch.randn(sl[b], hkv, d, device=dev, generator=g).to(torch.bfloat16)
-        store_kv(k, v, planes, slots, fmt)
+        store_kv_triton(k, v, planes, slots, get_format(fmt))
     q = torch.randn(sum(qlens), hq, d, device=dev, generator=g).to(torch.bfloat16)
     qsl = torch.tensor([0, qlens[0], sum(qlens)], dtype=torch.int32, device=dev)
     slt = torch.tensor(sl, dtype=torch.int32, device=dev)
-    ref = paged_prefill_ref(q.float(), planes, planes, qsl, slt, bt, max(qlens), fmt, d ** -0.5).float()
+    ref = paged_prefill_ref(q.float(), planes, planes, qsl, slt, bt, max(qlens), get_format(fmt), d ** -0.5).float()
     res = {"format": fmt, "hq": hq, "hkv": hkv, "d": d}
     ko = torch.full((hkv, span, d), float("nan"), dtype=torch.bfloat16, device=dev)
     vo = ko.clone()
@@ -79,7 +80,6 @@ def check(fmt: str, hq: int, hkv: int, d: int, seed: int, dev: torch.device, sma
 def breakdown(fmt: str, hq: int, hkv: int, d: int, n: int, chunk: int) -> dict:
     from ninfer.bench.kernels import random_planes
     from ninfer.bench.prefill import _median_ms
-    from ninfer.kvcache.formats import get_format
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(7)
     seq = n + chunk

@@ -160,19 +160,22 @@ def _dequant_case(name, fmt, seed):
 def _backend_case(name, fmt, seed):
     import torch
 
-    from ninfer.attention.prefill_sdpa import SdpaPrefillBackend
+    from ninfer.attention import prefill_sdpa as PS
     from ninfer.attention.reference import ReferenceAttentionBackend
+    from ninfer.attention.selector import select_backend
     from ninfer.kvcache.pool import KVCachePool
 
     hq, hkv, d = 4, 1, 64
     gen = torch.Generator().manual_seed(seed)
     dt = torch.bfloat16
     pools = [KVCachePool(fmt, 1, hkv, d, 8, PAGE, "cpu", dt) for _ in range(2)]
-    sdpa, ref = SdpaPrefillBackend(pools[0], num_splits=2, min_chunk=2), ReferenceAttentionBackend(pools[1])
+    PS.MIN_CHUNK = 2  # the 1-token mixed step stays on SDPA too (the Triton kernel serves shorter steps)
+    sdpa = select_backend(pools[0], "cpu", dt, hq, force={"prefill": "sdpa"}, num_splits=2)
+    ref = ReferenceAttentionBackend(pools[1])
     perm = torch.randperm(8, generator=gen).tolist()
     tables = [perm[:5], perm[5:7]]
     steps = [([40, 5], [40, 5]), ([1, 19], [41, 24]), ([1, 1], [42, 25])]
-    res = {"name": name, "rel": [], "planes_equal": []}
+    res = {"name": name, "rel": [], "planes_equal": [], "paths": sdpa.kernel_paths()}
     for qlens, seq_lens in steps:
         used = [tb[: -(-n // PAGE)] for tb, n in zip(tables, seq_lens)]
         meta = _meta(qlens, seq_lens, used, 5)
@@ -238,6 +241,7 @@ def test_dequant_kernel_bit_exact(results, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_sdpa_backend_matches_reference(results, fmt):
     r = case_result(results, f"backend-{fmt}")
+    assert "prefill=sdpa" in r["paths"], r["paths"]
     assert all(r["planes_equal"]), r
     assert all(x <= 1e-2 for x in r["rel"]), r
 

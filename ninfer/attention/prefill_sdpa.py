@@ -22,13 +22,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ninfer.attention.triton_backend import TritonAttentionBackend
 from ninfer.kernels import sdpa_io as IO
 from ninfer.kernels.dequant_pages import dequant_pages, dequant_pages_ref
-from ninfer.kernels.store_kv import store_kv
-from ninfer.kvcache.formats import get_format
+from ninfer.kvcache.formats import KVFormat, get_format
 
-KV_CHUNK = 65536  # cached tokens dequantized per SDPA call: the workspace is 2 x Hkv x KV_CHUNK x D values
+# Cached tokens dequantized per SDPA call: the workspace is 2 x Hkv x KV_CHUNK x D values (512 MiB for
+# 8 KV heads x D128 in bf16). One call per 128K context: at 128K it ran 3-5% faster than two 64K calls
+# merged (H200, 2026-12-01, docs/results/prefill_sdpa_kernels_20261201_h200.json "breakdown").
+KV_CHUNK = 131072
+MIN_CHUNK = 128  # steps whose longest chunk is shorter stay on the Triton prefill kernel
 # Backends refused at run time, per (device type, head_dim, dtype): never retried.
 _REFUSED: set[tuple] = set()
 SDPA_ORDER: tuple[str, ...] = ("cudnn", "flash")  # CUDA preference; the bench reorders it to time each
@@ -82,7 +84,7 @@ def _merge(acc: list, o: torch.Tensor, lse: torch.Tensor) -> None:
     acc[1] = acc[1] + F.softplus(diff)
 
 
-def prefill_sdpa(q: torch.Tensor, planes: dict, fmt_name: str, query_lens: list[int], seq_lens: list[int],
+def prefill_sdpa(q: torch.Tensor, planes: dict, fmt: KVFormat | str, query_lens: list[int], seq_lens: list[int],
                  block_tables: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
                  kv_chunk: int = KV_CHUNK, ws_dtype: torch.dtype | None = None, torch_ops: bool = False,
                  order: tuple[str, ...] | None = None) -> torch.Tensor:
@@ -92,7 +94,7 @@ def prefill_sdpa(q: torch.Tensor, planes: dict, fmt_name: str, query_lens: list[
     workspace (SDPA operand) dtype, default q's. ``torch_ops``: the torch oracles instead of the
     Triton dequantize / fold / merge kernels (fast logic tests on CPU). ``order``: SDPA backends to
     try on CUDA. Returns out [T, Hq, D] in q's dtype."""
-    fmt = get_format(fmt_name)
+    fmt = get_format(fmt)
     t, hq, d = q.shape
     hkv = planes["k"].shape[1]
     if hq % hkv or len(query_lens) != len(seq_lens) or sum(query_lens) != t:
@@ -151,34 +153,35 @@ def prefill_flops(query_lens: list[int], seq_lens: list[int], num_heads: int, he
 
 
 
-class SdpaPrefillBackend(TritonAttentionBackend):
-    """The CUDA backend with prefill through :func:`prefill_sdpa`: store and decode as the Triton
-    backend does; steps whose longest chunk has fewer than ``min_chunk`` tokens (decode-heavy mixed
-    steps, where per-sequence SDPA calls cost more than they win) stay on the Triton prefill kernel."""
+def sdpa_prefill_unsupported(ctx) -> str | None:
+    """Why this path cannot serve an attention op context (ninfer.attention.selector.OpContext), or None."""
+    if ctx.fmt.kernel_code is None:
+        return f"format {ctx.fmt.name} has no dequantize kernel"
+    if ctx.device.type != "cuda" and not (ctx.device.type == "cpu" and IO._interpreting()):
+        return f"needs CUDA (or TRITON_INTERPRET=1 on CPU), device is {ctx.device}"
+    if ctx.device.type == "cuda" and ctx.dtype not in (torch.bfloat16, torch.float16):
+        return f"SDPA flash / cuDNN need bf16 or fp16, the model runs {ctx.dtype}"
+    d = ctx.head_dim
+    if d < 64 or d & (d - 1) or d > 256:
+        return f"head_dim {d} (a power of 2 in 64..256)"
+    return None
 
-    name = "triton+sdpa-prefill"
 
-    def __init__(self, pool, *, num_splits: int | None = None, min_chunk: int = 128) -> None:
-        super().__init__(pool, num_splits=num_splits)
-        self.min_chunk = int(min_chunk)
+def bind_sdpa_prefill(ctx, short_chunks=None):
+    """The prefill op ``fn(q, planes, meta, scale)``; steps whose longest chunk is under ``MIN_CHUNK``
+    tokens (decode-heavy mixed steps, where per-sequence SDPA calls cost more than they win) go to
+    ``short_chunks`` (the Triton kernel) when given."""
+    fmt = ctx.fmt
 
-    def kernel_paths(self, num_heads: int, dtype: torch.dtype) -> str:
-        return super().kernel_paths(num_heads, dtype).replace(
-            "prefill=triton", f"prefill=sdpa ({'/'.join(SDPA_ORDER)}; triton under {self.min_chunk}-token chunks)")
-
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta,
-                scale: float) -> torch.Tensor:
-        if meta.is_decode or meta.max_query_len < self.min_chunk:
-            return super().forward(layer, q, k, v, meta, scale)
-        t, hq, d = q.shape
-        if k.shape[0] != t or v.shape != k.shape or k.shape[2] != d or hq % k.shape[1]:
-            raise ValueError(f"SdpaPrefillBackend: q {list(q.shape)} k {list(k.shape)} v {list(v.shape)} disagree")
-        planes = self.pool.layers[layer]
-        store_kv(k, v, planes, meta.slot_mapping, self.fmt.name)
+    def prefill(q, planes, meta, scale):
+        if short_chunks is not None and meta.max_query_len < MIN_CHUNK:
+            return short_chunks(q, planes, meta, scale)
         qlens = meta.query_lens_cpu if meta.query_lens_cpu is not None else \
             (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
         slens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
-        return prefill_sdpa(q, planes, self.fmt.name, list(qlens), list(slens), meta.block_tables, scale)
+        return prefill_sdpa(q, planes, fmt, list(qlens), list(slens), meta.block_tables, scale)
+    return prefill
 
 
-__all__ = ["prefill_sdpa", "sdpa_lse", "workspace_bytes", "prefill_flops", "KV_CHUNK", "SdpaPrefillBackend"]
+__all__ = ["prefill_sdpa", "sdpa_lse", "workspace_bytes", "prefill_flops", "sdpa_prefill_unsupported",
+           "bind_sdpa_prefill", "KV_CHUNK"]

@@ -175,7 +175,7 @@ def kernel_rows(contexts: list[int], formats: list[str], chunk: int, orders: dic
     from ninfer.attention import prefill_sdpa as PS
     from ninfer.bench.kernels import random_planes
     from ninfer.config import PAGE_SIZE
-    from ninfer.kernels.prefill import paged_prefill
+    from ninfer.kernels.prefill import paged_prefill_triton
     from ninfer.kvcache.formats import get_format
     orders = orders or {"": None}
     rows: list[dict[str, Any]] = []
@@ -208,7 +208,8 @@ def kernel_rows(contexts: list[int], formats: list[str], chunk: int, orders: dic
                     if order == "triton":
                         qsl = torch.tensor([0, chunk], dtype=torch.int32, device=dev)
                         sl = torch.tensor([seq], dtype=torch.int32, device=dev)
-                        fn = lambda: paged_prefill(q, planes, planes, qsl, sl, bt, chunk, f, d ** -0.5)  # noqa: E731
+                        fn = lambda: paged_prefill_triton(q, planes, planes, qsl, sl, bt, chunk, get_format(f),  # noqa: E731
+                                                          d ** -0.5)
                     else:
                         fn = lambda: PS.prefill_sdpa(q, planes, f, [chunk], [seq], bt, d ** -0.5,  # noqa: E731
                                                      order=order)

@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.kernels.store_kv import FMT_COPY, FMT_E8, FMT_INT8, FMT_RK4, fmt_code
-from ninfer.kvcache.formats import get_format
+from ninfer.kernels._common import FMT_E8, FMT_RK4, kernel_code
+from ninfer.kvcache.formats import KVFormat, get_format
 
 
 @triton.jit
@@ -91,13 +91,13 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def dequant_pages(planes: dict, fmt_name: str, block_table: torch.Tensor, tok0: int, n: int,
+def dequant_pages(planes: dict, fmt: KVFormat | str, block_table: torch.Tensor, tok0: int, n: int,
                   k_out: torch.Tensor, v_out: torch.Tensor, *, block_n: int = 64) -> None:
     """Write tokens [tok0, tok0 + n) of one sequence (``block_table`` [pages] int32, its row of the
     block table) as K/V values into ``k_out``/``v_out`` [Hkv, >= n, D] (rows 0..n-1; contiguous
     rows of D elements, bf16/fp16/fp32). Rotated formats in word order (module docstring)."""
-    fmt = get_format(fmt_name)
-    code = fmt_code(fmt)
+    fmt = get_format(fmt)
+    code = kernel_code(fmt, "dequant_pages")
     kd, vd = planes["k"], planes["v"]
     ks, vs = planes.get("k_scale"), planes.get("v_scale")
     _, hkv, page, _ = kd.shape
@@ -126,11 +126,11 @@ def dequant_pages(planes: dict, fmt_name: str, block_table: torch.Tensor, tok0: 
         v_out[:, :n].copy_(vo[:, :n])
 
 
-def dequant_pages_ref(planes: dict, fmt_name: str, block_table: torch.Tensor, tok0: int, n: int,
+def dequant_pages_ref(planes: dict, fmt: KVFormat | str, block_table: torch.Tensor, tok0: int, n: int,
                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch oracle of :func:`dequant_pages`: the format's reference decoder (rotated domain kept),
     permuted to word order for the rotated formats. Returns (K, V) [Hkv, n, D] in ``dtype``."""
-    fmt = get_format(fmt_name)
+    fmt = get_format(fmt)
     page = planes["k"].shape[2]
     tok = torch.arange(tok0, tok0 + n, device=block_table.device)
     pages = block_table.long()[tok // page]
@@ -147,6 +147,3 @@ def dequant_pages_ref(planes: dict, fmt_name: str, block_table: torch.Tensor, to
             x = x.reshape(*x.shape[:-1], -1, 64)[..., 8 * (e % 8) + e // 8].reshape(x.shape)
         out.append(x.to(dtype))
     return out[0], out[1]
-
-
-__all__ = ["dequant_pages", "dequant_pages_ref", "FMT_COPY", "FMT_INT8"]
