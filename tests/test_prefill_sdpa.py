@@ -126,6 +126,52 @@ def test_merge_by_lse_equals_one_softmax():
     assert float((acc[0] - ref[0]).abs().max()) < 1e-10
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(32, 8, 128), (24, 4, 256)], ids=["32q8kv-D128", "24q4kv-D256"])
+def test_gpu_prefill_sdpa_matches_reference_within_its_workspace(fmt, shape):
+    """On a GPU: a 1000-token chunk over 5000 cached tokens (3 KV chunks of 2048 merged) and a fresh
+    777-token sequence, cuDNN or flash, against the float32 oracle; the peak allocation above the
+    inputs stays within ``workspace_bytes``."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from ninfer.attention.prefill_sdpa import prefill_sdpa, workspace_bytes
+    from ninfer.kernels.prefill import paged_prefill_ref
+    from ninfer.kernels.store_kv import store_kv_triton
+    from ninfer.kvcache.formats import get_format
+    from ninfer.kvcache.pool import KVCachePool
+
+    hq, hkv, d = shape
+    dev, page = torch.device("cuda"), 64
+    g = torch.Generator(device=dev).manual_seed(hq + d)
+    qlens, sl = [1000, 777], [6000, 777]
+    pages = [-(-n // page) for n in sl]
+    pool = KVCachePool(fmt, 1, hkv, d, sum(pages), page, dev, torch.bfloat16)
+    planes = pool.layers[0]
+    perm = torch.randperm(sum(pages), device=dev, generator=g).to(torch.int32)
+    bt = torch.full((2, max(pages)), -1, dtype=torch.int32, device=dev)
+    bt[0, :pages[0]], bt[1, :pages[1]] = perm[:pages[0]], perm[pages[0]:]
+    for b in range(2):
+        t = torch.arange(sl[b], device=dev)
+        kv = torch.randn(2, sl[b], hkv, d, device=dev, generator=g).to(torch.bfloat16)
+        store_kv_triton(kv[0], kv[1], planes, bt[b].long()[t // page] * page + t % page, get_format(fmt))
+    q = torch.randn(sum(qlens), hq, d, device=dev, generator=g).to(torch.bfloat16)
+    qsl = torch.tensor([0, 1000, 1777], dtype=torch.int32, device=dev)
+    ref = paged_prefill_ref(q.float(), planes, planes, qsl, torch.tensor(sl, dtype=torch.int32, device=dev), bt,
+                            1000, get_format(fmt), d ** -0.5).float()
+    out = torch.full_like(q, float("nan"))
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    prefill_sdpa(q, planes, fmt, qlens, sl, bt, d ** -0.5, out=out, kv_chunk=2048)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base <= workspace_bytes(hq, hkv, d, 1000, kv_chunk=2048)
+    rel = float((out.float() - ref).norm() / ref.norm())
+    assert rel <= 1e-2, rel
+
+
 # --------------------------------------------------------------------------- interpreter child
 CHILD_CASES = [(f"dequant-{f}", f, 200 + i) for i, f in enumerate(FORMATS)] + \
               [(f"backend-{f}", f, 300 + i) for i, f in enumerate(FORMATS)] + [("io", "", 400)]

@@ -27,8 +27,8 @@ from ninfer.kernels.dequant_pages import dequant_pages, dequant_pages_ref
 from ninfer.kvcache.formats import KVFormat, get_format
 
 # Cached tokens dequantized per SDPA call: the workspace is 2 x Hkv x KV_CHUNK x D values (512 MiB for
-# 8 KV heads x D128 in bf16). One call per 128K context: at 128K it ran 3-5% faster than two 64K calls
-# merged (H200, 2026-12-01, docs/results/prefill_sdpa_kernels_20261201_h200.json "breakdown").
+# 8 KV heads x D128 in bf16). One call per 128K context: at 128K it ran 1-5% faster than two 64K calls
+# merged (two runs) (H200, 2026-12-01; docs/results/prefill_sdpa_kernels_20261201_h200*.json, "breakdown").
 KV_CHUNK = 131072
 MIN_CHUNK = 128  # steps whose longest chunk is shorter stay on the Triton prefill kernel
 # Backends refused at run time, per (device type, head_dim, dtype): never retried.
@@ -38,13 +38,14 @@ SDPA_ORDER: tuple[str, ...] = ("cudnn", "flash")  # CUDA preference; the bench r
 
 def workspace_bytes(num_heads: int, num_kv_heads: int, head_dim: int, chunk_tokens: int,
                     kv_chunk: int = KV_CHUNK, elem: int = 2) -> int:
-    """Peak transient device bytes of one layer's call (for the memory plan): K/V workspace of
-    kv_chunk + chunk tokens, the folded Q, the expanded chunk K/V, one SDPA output (workspace dtype)
-    and the float32 accumulator plus the rotated-back output and the log-sum-exps."""
-    t = chunk_tokens
-    kv = 2 * num_kv_heads * (min(kv_chunk, 1 << 40) + t) * head_dim * elem
-    per_q = num_heads * t * head_dim
-    return kv + per_q * (4 * elem + 2 * 4) + 3 * num_heads * t * 4
+    """Peak transient device bytes of one layer's call over a ``chunk_tokens`` chunk (for the memory
+    plan), with P = Hq x chunk x D: the K/V workspace (2 Hkv kv_chunk D), and per P the folded Q, the
+    cached part's output, the chunk's K/V expanded to the query heads and its output (5 in the
+    workspace dtype), the float32 accumulator and its merge temporary when the context spans
+    several KV chunks (8 bytes), plus three float32 log-sum-exps per query row and head."""
+    p = num_heads * chunk_tokens * head_dim
+    kv = 2 * num_kv_heads * max(int(kv_chunk), int(chunk_tokens)) * head_dim * elem
+    return kv + p * (5 * elem + 8) + 3 * num_heads * chunk_tokens * 4
 
 
 def sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
