@@ -36,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     b = p.add_argument_group("benchmark")
     b.add_argument("--prompt-tokens", default="32K,90000", help="comma-separated prompt lengths (default %(default)s)")
     b.add_argument("--repeats", type=int, default=3, help="timed requests per prompt length (median)")
+    b.add_argument("--warmup-tokens", type=parse_token_count, default=None,
+                   help="warm-up prompt per engine (default: the shortest prompt length)")
     b.add_argument("--peer", default=None, choices=["transformers"], help="also time HF transformers (subprocess)")
     b.add_argument("--kernels", choices=["on", "off", "only"], default="on",
                    help="the attention-kernel table (CUDA only; 'only' skips the end-to-end part)")
@@ -80,13 +82,12 @@ def prompts_for(vocab: int, n: int, repeats: int, seed: int) -> list[list[int]]:
     return [T.random_prompt(vocab, n, body_seed=seed + n, head_seed=r + 1) for r in range(repeats)]
 
 
-def ninfer_e2e(cfg: Any, lengths: list[int], repeats: int) -> dict[str, Any]:
+def ninfer_e2e(cfg: Any, lengths: list[int], repeats: int, warmup: int) -> dict[str, Any]:
     engine = T.start_engine(cfg.replace(max_context=max(lengths) + 16))
     try:
         out: dict[str, Any] = {"engine": T.engine_facts(engine), "rows": []}
         vocab = engine.model_config.vocab_size
-        T.timed_request(engine, "warmup", T.random_prompt(vocab, min(lengths), body_seed=cfg.seed + 7919,
-                                                          head_seed=0), 1)
+        T.timed_request(engine, "warmup", T.random_prompt(vocab, warmup, body_seed=cfg.seed + 7919, head_seed=0), 1)
         for n in lengths:
             ttfts = []
             for r, prompt in enumerate(prompts_for(vocab, n, repeats, cfg.seed)):
@@ -126,9 +127,10 @@ for n, prompts in a["prompts"].items():
 """
 
 
-def transformers_e2e(model_dir: str, vocab: int, lengths: list[int], repeats: int, seed: int) -> dict[str, Any]:
+def transformers_e2e(model_dir: str, vocab: int, lengths: list[int], repeats: int, seed: int,
+                     warmup: int) -> dict[str, Any]:
     """The same prompts through HF transformers in a subprocess (its own CUDA context and memory)."""
-    arg = {"model": model_dir, "warmup": T.random_prompt(vocab, min(lengths), body_seed=seed + 7919, head_seed=0),
+    arg = {"model": model_dir, "warmup": T.random_prompt(vocab, warmup, body_seed=seed + 7919, head_seed=0),
            "prompts": {str(n): prompts_for(vocab, n, repeats, seed) for n in lengths}}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(arg, f)
@@ -273,24 +275,27 @@ def run(args: argparse.Namespace) -> int:
         model_dir = args.model or str(default_model_dir())
         mc = ModelConfig.load(model_dir)
         flops = {n: model_prefill_flops(mc, n) for n in lengths}
+        warmup = min(int(args.warmup_tokens or min(lengths)), max(lengths))
         results: dict[str, Any] = {}
         for kv in T.kv_dtypes(args.kv_dtype):
             T.release()
             print(f"[prefill] ninfer {kv}", file=sys.stderr)
             try:
                 results[f"ninfer {kv}"] = ninfer_e2e(T.base_config(args, kv_dtype=kv, enable_prefix_caching=False),
-                                                     lengths, args.repeats)
+                                                     lengths, args.repeats, warmup)
             except Exception as e:  # keep the other kv-dtypes' numbers
                 results[f"ninfer {kv}"] = {"error": f"{type(e).__name__}: {e}"}
                 errors.append(f"{kv}: {type(e).__name__}: {e}")
         if args.peer == "transformers":
             T.release()
             print("[prefill] transformers", file=sys.stderr)
-            results["transformers"] = transformers_e2e(model_dir, mc.vocab_size, lengths, args.repeats, args.seed)
+            results["transformers"] = transformers_e2e(model_dir, mc.vocab_size, lengths, args.repeats, args.seed,
+                                                       warmup)
             if "error" in results["transformers"]:
                 errors.append(f"transformers: {results['transformers']['error'][-300:]}")
         out.update(e2e=results, model_flops=flops, settings={
-            "prompt_tokens": lengths, "repeats": args.repeats, "prefix_reuse": False, "generated_tokens": 1,
+            "prompt_tokens": lengths, "repeats": args.repeats, "warmup_tokens": warmup, "prefix_reuse": False,
+            "generated_tokens": 1,
             "max_num_batched_tokens": args.max_num_batched_tokens, "peer": args.peer})
         print(e2e_table(results, flops, rate))
     for e in errors:
