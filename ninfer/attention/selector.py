@@ -152,12 +152,23 @@ def _prefill_triton(ctx: OpContext) -> Callable:
     return prefill
 
 
+def _prefill_sdpa_unsupported(ctx: OpContext) -> str | None:
+    from ninfer.attention.prefill_sdpa import sdpa_prefill_unsupported
+    return sdpa_prefill_unsupported(ctx)
+
+
+def _prefill_sdpa(ctx: OpContext) -> Callable:
+    from ninfer.attention.prefill_sdpa import bind_sdpa_prefill
+    return bind_sdpa_prefill(ctx, None if _triton_prefill_unsupported(ctx) else _prefill_triton(ctx))
+
+
 OP_IMPLS: dict[str, list[OpImpl]] = {
     "store": [OpImpl("store", "cuda", _store_cuda_unsupported, _store_cuda),
               OpImpl("store", "triton", _triton_unsupported, _store_triton)],
     "decode": [OpImpl("decode", "cuda", _decode_cuda_unsupported, _decode_cuda, _decode_cuda_splits),
                OpImpl("decode", "triton", _triton_unsupported, _decode_triton, _decode_triton_splits)],
-    "prefill": [OpImpl("prefill", "triton", _triton_prefill_unsupported, _prefill_triton)],
+    "prefill": [OpImpl("prefill", "sdpa", _prefill_sdpa_unsupported, _prefill_sdpa),
+                OpImpl("prefill", "triton", _triton_prefill_unsupported, _prefill_triton)],
 }
 
 

@@ -14,6 +14,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "sweep": ("ninfer.bench.sweep", "prefill/decode speed from 32K to the largest context"),
     "memory": ("ninfer.bench.memory", "planned vs allocated vs device-peak memory"),
     "serve": ("ninfer.bench.serve", "load generator over the OpenAI API: throughput, TTFT, ITL"),
+    "prefill": ("ninfer.bench.prefill", "TTFT and prefill tok/s per kv-dtype, vs transformers and SDPA"),
     "structured": ("ninfer.bench.structured", "decode step time with vs without a json_schema constraint"),
 }
 

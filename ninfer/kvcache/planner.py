@@ -307,6 +307,10 @@ def plan_memory(model: ModelConfig, *, kv_dtype: str, total_bytes: int, free_byt
         free_bytes += w_bytes
     headroom = default_headroom(total_bytes) if headroom_bytes is None else int(headroom_bytes)
     workspace = sum(activation_workspace(model, max_num_batched_tokens, act, max_num_seqs).values())
+    if device_type == "cuda" and model.num_kv_layers:  # the SDPA prefill's buffers (added whole: conservative)
+        from ninfer.attention.prefill_sdpa import workspace_bytes as sdpa_prefill_bytes
+        workspace += sdpa_prefill_bytes(model.num_heads, model.num_kv_heads, model.head_dim, max_num_batched_tokens,
+                                        elem=act)
     use_graphs = not enforce_eager and device_type == "cuda"
     graph_pool = _graph_pool_bytes(model, act, max_num_seqs) if use_graphs else 0
     # Per context page: page-table entries of every running sequence (a second, static copy for the
