@@ -177,8 +177,8 @@ class KVFormat:
         xr = rotate(x).to(torch.float32) if self.rotated else x.to(torch.float32)
         s16, s = group_scales(xr, float(self.scale_divisor), round_up=self.packed)
         z = code_units(xr, s, _e8.GRID if self.e8_lattice else None)
-        if self.e8_lattice:
-            return _e8.encode_e8(z), s16
+        if self.e8_lattice:  # the scale refit (e8.encode_e8_refit) picks the stored scale and points
+            return _e8.encode_e8_refit(z, s[..., 0])
         if self.packed:
             return _e8.encode_scalar4(z), s16
         return torch.round(z).clamp_(-127, 127).to(torch.int8), s16
