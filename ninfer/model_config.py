@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ninfer import dtypes
+
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "bf16": 2, "fp16": 2, "fp32": 4}
 
 
 class ConfigError(ValueError):
@@ -61,9 +62,9 @@ class ModelConfig:
 
     def weight_bytes(self, dtype: str | None = None) -> int:
         name = dtype or self.torch_dtype
-        if name not in _DTYPE_BYTES:
+        if name not in dtypes.ALIASES:
             raise ConfigError(f"unknown weights dtype {name!r}; choose one of bf16, fp16, fp32")
-        return self.num_params() * _DTYPE_BYTES[name]
+        return self.num_params() * dtypes.num_bytes(name)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":

@@ -10,7 +10,7 @@
 #                                                     # (register caps), both backends
 # `probe` trains the PROBE_VARIANTS (";"-separated train.py argument sets, one process each,
 # sharing the GPU) in the background; the next stage that needs the model, or the end of the
-# script, waits for them and ships the best by `ninfer.probe.pick`. Stages read the model from
+# script, waits for them and ships the best by `ninfer.tools.probe.pick`. Stages read the model from
 # /tmp/probe when an earlier call on the same warm machine trained one, else from models/probe.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +40,7 @@ probe_wait() {  # wait for the background trainings, then ship the best one
   [ ${#PROBE_PIDS[@]} -gt 0 ] || return 0
   wait "${PROBE_PIDS[@]}"; PROBE_PIDS=()
   for d in /tmp/probe-runs/*/; do tail -n 12 "$d/train.log" | sed "s|^|$(basename "$d"): |"; done
-  python3 -m ninfer.probe.pick --out /tmp/probe --report "$RES/probe_pick.json" /tmp/probe-runs/*/ \
+  python3 -m ninfer.tools.probe.pick --out /tmp/probe --report "$RES/probe_pick.json" /tmp/probe-runs/*/ \
     > "$RES/probe_pick.log" 2>&1; cat "$RES/probe_pick.log"
   for d in /tmp/probe-runs/*/; do cp "$d/train.log" "$RES/train-$(basename "$d").log"; done
   if [ -f /tmp/probe/config.json ]; then
@@ -58,7 +58,7 @@ for s in "$@"; do
       for v in "${VARIANTS[@]}"; do
         d=/tmp/probe-runs/v$i; mkdir -p "$d"; echo "$v" > "$d/args.txt"
         # shellcheck disable=SC2086
-        timeout -k 10 "$PROBE_TIMEOUT" python3 -m ninfer.probe.train --out "$d/probe" --device cuda \
+        timeout -k 10 "$PROBE_TIMEOUT" python3 -m ninfer.tools.probe.train --out "$d/probe" --device cuda \
           $PROBE_ARGS $v > "$d/train.log" 2>&1 &
         PROBE_PIDS+=($!); i=$((i + 1))
       done

@@ -57,7 +57,7 @@ step() {  # step NAME CMD...: run, time, remember a failure, carry on with the n
 ckpt() {  # the config is written last, so its presence marks a complete checkpoint
   local m=$1
   [ -f "$CKPT_DIR/$m/config.json" ] && { echo "== [ckpt $m] reusing $CKPT_DIR/$m"; return 0; }
-  step "ckpt $m" $PY -m ninfer.models.random_checkpoint --preset "$m" --out "$CKPT_DIR/$m" --device cuda
+  step "ckpt $m" $PY -m ninfer.tools.random_checkpoint --preset "$m" --out "$CKPT_DIR/$m" --device cuda
 }
 
 for stage in $STAGES; do

@@ -1,8 +1,8 @@
 """Random-weight bf16 checkpoints of real geometries, written fast enough to make on the GPU machine.
 
-    python -m ninfer.models.random_checkpoint --preset qwen3-8b --out /tmp/qwen3-8b-random
-    python -m ninfer.models.random_checkpoint --preset seed-d256 --out /tmp/seed-d256-random
-    python -m ninfer.models.random_checkpoint --preset qwen3-8b --set num_hidden_layers=2 --device cpu --out DIR
+    python -m ninfer.tools.random_checkpoint --preset qwen3-8b --out /tmp/qwen3-8b-random
+    python -m ninfer.tools.random_checkpoint --preset seed-d256 --out /tmp/seed-d256-random
+    python -m ninfer.tools.random_checkpoint --preset qwen3-8b --set num_hidden_layers=2 --device cpu --out DIR
 
 No transformers model is instantiated: every tensor is drawn with torch.randn on the device, copied
 to the host and appended to its safetensors shard, one at a time, so host memory stays at one
@@ -31,6 +31,9 @@ from typing import Any, Iterator
 
 import torch
 
+from ninfer import dtypes
+from ninfer.config import DEFAULT_MODEL_DIR
+
 GiB = 1 << 30
 # Qwen3-8B's geometry (its max_position raised so 1M-token sweeps run without a rope warning).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -44,9 +47,6 @@ PRESETS: dict[str, dict[str, Any]] = {
                       num_key_value_heads=4, head_dim=256, vocab_size=248320, rope_theta=10_000_000.0,
                       max_position_embeddings=1 << 22),
 }
-_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-           "fp32": torch.float32, "float32": torch.float32}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                     "vocab.json", "merges.txt", "added_tokens.json")
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -121,7 +121,7 @@ def _write_shard(path: Path, specs: list, dtype: torch.dtype, device: torch.devi
     off = 0
     for name, shape, _ in specs:
         n = math.prod(shape) * itemsize
-        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+        header[name] = {"dtype": dtypes.SAFETENSORS_TAGS[dtypes.canonical(dtype)], "shape": list(shape), "data_offsets": [off, off + n]}
         off += n
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
@@ -156,9 +156,7 @@ def write_tokenizer(out: Path, source: str | Path | None = "auto") -> Any:
     out, or write the byte-level tokenizer; returns the loaded tokenizer."""
     from transformers import AutoTokenizer
     if source == "auto":
-        from ninfer.probe import default_model_dir
-        probe = default_model_dir()
-        source = probe if (probe / "tokenizer.json").is_file() else None
+        source = DEFAULT_MODEL_DIR if (DEFAULT_MODEL_DIR / "tokenizer.json").is_file() else None
     if source is None:
         _byte_level_tokenizer().save_pretrained(out)
     else:
@@ -176,7 +174,7 @@ def write_random_checkpoint(out_dir: str | Path, preset: str | dict[str, Any] = 
     """Write a random-weight Qwen3ForCausalLM checkpoint of `preset` (a name in PRESETS or a dict of
     HF config fields) to out_dir and return it. `overrides` replace geometry fields."""
     g = geometry(preset, **(overrides or {}))
-    tdtype = dtype if isinstance(dtype, torch.dtype) else _DTYPES[dtype]
+    tdtype = dtypes.to_torch(dtype)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
     out = Path(out_dir)
@@ -233,12 +231,12 @@ def _override(text: str) -> tuple[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ninfer.models.random_checkpoint", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ninfer.tools.random_checkpoint", description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="qwen3-8b", choices=sorted(PRESETS))
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--set", dest="overrides", type=_override, action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. num_hidden_layers=4 (repeatable)")
-    p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
+    p.add_argument("--dtype", default="bf16", choices=sorted(dtypes.ALIASES))
     p.add_argument("--device", default="auto", help="where the weights are drawn: auto, cuda, cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--std", type=float, default=0.02)
