@@ -35,3 +35,17 @@ class RMSNorm(nn.Module):
         residual = residual + x
         return self(residual), residual
 
+
+class OffsetRMSNorm(nn.Module):
+    """RMSNorm with weight stored as an offset from 1 (Qwen3.5 / Qwen3-Next): the product is taken
+    in float32, `x_hat * (1 + w)`, and only then rounded (transformers' order for these models)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)

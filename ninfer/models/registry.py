@@ -9,6 +9,9 @@ ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "ninfer.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "ninfer.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "ninfer.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3_5ForCausalLM": "ninfer.models.qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "ninfer.models.qwen3_5:Qwen3_5ForConditionalGeneration",
+    "Qwen3NextForCausalLM": "ninfer.models.qwen3_5:Qwen3NextForCausalLM",
 }
 
 

@@ -2,16 +2,17 @@
 
     python -m ninfer.tools.random_checkpoint --preset qwen3-8b --out /tmp/qwen3-8b-random
     python -m ninfer.tools.random_checkpoint --preset seed-d256 --out /tmp/seed-d256-random
+    python -m ninfer.tools.random_checkpoint --preset seed-hybrid --out /tmp/seed-hybrid-random
     python -m ninfer.tools.random_checkpoint --preset qwen3-8b --set num_hidden_layers=2 --device cpu --out DIR
 
 No transformers model is instantiated: every tensor is drawn with torch.randn on the device, copied
 to the host and appended to its safetensors shard, one at a time, so host memory stays at one
 tensor and an 8B checkpoint takes about as long as the disk needs to take 16 GB. The directory is a
-plain HF Qwen3ForCausalLM checkpoint: config.json, model-0000x-of-0000n.safetensors +
+plain HF Qwen3ForCausalLM checkpoint (Qwen3_5ForCausalLM for the hybrid presets): config.json, model-0000x-of-0000n.safetensors +
 model.safetensors.index.json, generation_config.json and a tokenizer.
 
 Weights: N(0, std^2) with std 0.02 for every matrix (an 8B model's initializer range), every norm
-weight 1. With unit-RMS normed inputs a projection's output has std 0.02*sqrt(fan_in) (~1.3 at
+weight 1 (Qwen3.5's offset norms 0, i.e. a scale of 1; its GDN decay A_log 0). With unit-RMS normed inputs a projection's output has std 0.02*sqrt(fan_in) (~1.3 at
 hidden 4096), so the residual stream grows only additively over the layers and bf16 stays finite.
 Speed runs feed token ids and ignore EOS, so the tokenizer only has to load: it is copied from the
 bundled probe model when that exists, else a byte-level tokenizer (256 byte tokens + ChatML
@@ -46,6 +47,19 @@ PRESETS: dict[str, dict[str, Any]] = {
     "seed-d256": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=16, num_attention_heads=24,
                       num_key_value_heads=4, head_dim=256, vocab_size=248320, rope_theta=10_000_000.0,
                       max_position_embeddings=1 << 22),
+    # The seed model: Qwen3.5-27B's geometry (Qwen/Qwen3.5-27B config.json), 64 layers of which every
+    # 4th is gated full attention (16 KV layers, as seed-d256) and 48 are Gated DeltaNet.
+    "seed-hybrid": dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                        num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320,
+                        rope_theta=10_000_000.0, partial_rotary_factor=0.25, full_attention_interval=4,
+                        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                        linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=1 << 22),
+    # The same layer kinds at CPU-test size (two periods of 3 GDN + 1 attention layer).
+    "tiny-hybrid": dict(model_type="qwen3_5_text", hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=512,
+                        rope_theta=10_000_000.0, partial_rotary_factor=0.25, full_attention_interval=4,
+                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                        linear_value_head_dim=32, linear_conv_kernel_dim=4, max_position_embeddings=1 << 22),
 }
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                     "vocab.json", "merges.txt", "added_tokens.json")
@@ -76,30 +90,59 @@ def geometry(preset: str | dict[str, Any], **overrides: Any) -> dict[str, Any]:
     return g
 
 
-def tensor_specs(g: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...], bool]]:
-    """(HF tensor name, shape, is_norm) of every Qwen3ForCausalLM weight, in file order."""
+def is_hybrid(g: dict[str, Any]) -> bool:
+    return g.get("model_type") == "qwen3_5_text"
+
+
+def layer_types(g: dict[str, Any]) -> list[str]:
+    if not is_hybrid(g):
+        return ["full_attention"] * g["num_hidden_layers"]
+    every = int(g.get("full_attention_interval", 4))
+    return ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(g["num_hidden_layers"])]
+
+
+def tensor_specs(g: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...], float | None]]:
+    """(HF tensor name, shape, fill) of every weight, in file order; fill None = N(0, std^2), else
+    that constant. Qwen3ForCausalLM names, or Qwen3_5ForCausalLM's for a hybrid geometry."""
     h, i, d = g["hidden_size"], g["intermediate_size"], g["head_dim"]
     q, kv = g["num_attention_heads"] * d, g["num_key_value_heads"] * d
-    yield "model.embed_tokens.weight", (g["vocab_size"], h), False
-    for n in range(g["num_hidden_layers"]):
+    hybrid = is_hybrid(g)
+    norm = 0.0 if hybrid else 1.0  # Qwen3.5's norms scale by (1 + w)
+    yield "model.embed_tokens.weight", (g["vocab_size"], h), None
+    for n, kind in enumerate(layer_types(g)):
         p = f"model.layers.{n}."
-        yield p + "input_layernorm.weight", (h,), True
-        yield p + "self_attn.q_proj.weight", (q, h), False
-        yield p + "self_attn.k_proj.weight", (kv, h), False
-        yield p + "self_attn.v_proj.weight", (kv, h), False
-        yield p + "self_attn.o_proj.weight", (h, q), False
-        yield p + "self_attn.q_norm.weight", (d,), True
-        yield p + "self_attn.k_norm.weight", (d,), True
-        yield p + "post_attention_layernorm.weight", (h,), True
-        yield p + "mlp.gate_proj.weight", (i, h), False
-        yield p + "mlp.up_proj.weight", (i, h), False
-        yield p + "mlp.down_proj.weight", (h, i), False
-    yield "model.norm.weight", (h,), True
+        yield p + "input_layernorm.weight", (h,), norm
+        if kind == "linear_attention":
+            kd = g["linear_num_key_heads"] * g["linear_key_head_dim"]
+            hv = g["linear_num_value_heads"]
+            vd = hv * g["linear_value_head_dim"]
+            a = p + "linear_attn."
+            yield a + "in_proj_qkv.weight", (2 * kd + vd, h), None
+            yield a + "in_proj_z.weight", (vd, h), None
+            yield a + "in_proj_b.weight", (hv, h), None
+            yield a + "in_proj_a.weight", (hv, h), None
+            yield a + "conv1d.weight", (2 * kd + vd, 1, g["linear_conv_kernel_dim"]), None
+            yield a + "dt_bias", (hv,), 1.0
+            yield a + "A_log", (hv,), 0.0
+            yield a + "norm.weight", (g["linear_value_head_dim"],), 1.0
+            yield a + "out_proj.weight", (h, vd), None
+        else:
+            yield p + "self_attn.q_proj.weight", (2 * q if hybrid else q, h), None
+            yield p + "self_attn.k_proj.weight", (kv, h), None
+            yield p + "self_attn.v_proj.weight", (kv, h), None
+            yield p + "self_attn.o_proj.weight", (h, q), None
+            yield p + "self_attn.q_norm.weight", (d,), norm
+            yield p + "self_attn.k_norm.weight", (d,), norm
+        yield p + "post_attention_layernorm.weight", (h,), norm
+        yield p + "mlp.gate_proj.weight", (i, h), None
+        yield p + "mlp.up_proj.weight", (i, h), None
+        yield p + "mlp.down_proj.weight", (h, i), None
+    yield "model.norm.weight", (h,), norm
     if not g["tie_word_embeddings"]:
-        yield "lm_head.weight", (g["vocab_size"], h), False
+        yield "lm_head.weight", (g["vocab_size"], h), None
 
 
-def _shards(specs: list[tuple[str, tuple[int, ...], bool]], itemsize: int, shard_bytes: int) -> list[list]:
+def _shards(specs: list[tuple[str, tuple[int, ...], float | None]], itemsize: int, shard_bytes: int) -> list[list]:
     shards: list[list] = [[]]
     size = 0
     for spec in specs:
@@ -128,9 +171,9 @@ def _write_shard(path: Path, specs: list, dtype: torch.dtype, device: torch.devi
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for name, shape, is_norm in specs:
-            if is_norm:
-                t = torch.ones(shape, dtype=dtype, device=device)
+        for name, shape, fill in specs:
+            if fill is not None:
+                t = torch.full(shape, fill, dtype=dtype, device=device)
             else:
                 t = torch.randn(shape, generator=gen, dtype=torch.float32, device=device).mul_(std).to(dtype)
             f.write(t.cpu().contiguous().view(torch.uint8).numpy().data)
@@ -171,7 +214,7 @@ def write_random_checkpoint(out_dir: str | Path, preset: str | dict[str, Any] = 
                             dtype: str | torch.dtype = "bf16", device: str = "auto", seed: int = 0,
                             std: float = 0.02, shard_bytes: int = 4 * GiB, tokenizer: str | Path | None = "auto",
                             overrides: dict[str, Any] | None = None, progress: bool = False) -> Path:
-    """Write a random-weight Qwen3ForCausalLM checkpoint of `preset` (a name in PRESETS or a dict of
+    """Write a random-weight Qwen3ForCausalLM (or, hybrid presets, Qwen3_5ForCausalLM) checkpoint of `preset` (a name in PRESETS or a dict of
     HF config fields) to out_dir and return it. `overrides` replace geometry fields."""
     g = geometry(preset, **(overrides or {}))
     tdtype = dtypes.to_torch(dtype)
@@ -201,13 +244,21 @@ def write_random_checkpoint(out_dir: str | Path, preset: str | dict[str, Any] = 
     ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
            "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id}
     dname = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[tdtype]
+    hybrid = {}
+    if is_hybrid(g):
+        hybrid = {k: g[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                    "linear_value_head_dim", "linear_conv_kernel_dim")}
+        hybrid["full_attention_interval"] = int(g.get("full_attention_interval", 4))
     config = {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+        "architectures": ["Qwen3_5ForCausalLM" if hybrid else "Qwen3ForCausalLM"],
+        "model_type": "qwen3_5_text" if hybrid else "qwen3", "hidden_act": "silu", **hybrid,
         **{k: g[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                              "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
                              "rope_theta", "tie_word_embeddings")},
-        "rope_parameters": {"rope_type": "default", "rope_theta": g["rope_theta"]},
-        "layer_types": ["full_attention"] * g["num_hidden_layers"], "use_sliding_window": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": g["rope_theta"],
+                            **({"partial_rotary_factor": g["partial_rotary_factor"]} if "partial_rotary_factor" in g
+                               else {})},
+        "layer_types": layer_types(g), "use_sliding_window": False,
         "sliding_window": None, "rms_norm_eps": 1e-6, "attention_bias": False, "attention_dropout": 0.0,
         "initializer_range": std, "use_cache": True, "torch_dtype": dname, "dtype": dname, **ids,
         "ninfer_random_checkpoint": {"seed": seed, "std": std, "preset": preset if isinstance(preset, str) else "custom"},
