@@ -52,6 +52,16 @@ class ModelConfig:
         """Linear-attention (Gated DeltaNet) layers between the full-attention ones (Qwen3.5)."""
         return self.num_kv_layers < self.num_layers
 
+    def recurrent_state_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        """Per-sequence state of one Gated DeltaNet layer (hybrids; None otherwise): the conv window
+        [K-1, 2 key_dim + value_dim] and the delta-rule state [value_heads, key_head_dim, value_head_dim]."""
+        if not self.is_hybrid or "linear_num_value_heads" not in self.raw:
+            return None
+        r = self.raw
+        hv, dk, dv = int(r["linear_num_value_heads"]), int(r["linear_key_head_dim"]), int(r["linear_value_head_dim"])
+        conv = 2 * int(r["linear_num_key_heads"]) * dk + hv * dv
+        return {"conv": (int(r.get("linear_conv_kernel_dim", 4)) - 1, conv), "ssm": (hv, dk, dv)}
+
     def num_params(self) -> int:
         """Parameter count from the geometry (embeddings, attention / GDN, MLP, norms, lm_head)."""
         h, v, i = self.hidden_size, self.vocab_size, self.intermediate_size

@@ -71,12 +71,20 @@ def _words(n: int) -> int:
     return (n + 1) // 2
 
 
-def _head_views(buf, rows: int, i32) -> tuple:
-    """(input_ids, positions, slot_mapping, sample_rows, seq_lens) of a decode head: int64 regions of
-    `rows`, seq_lens int32 packed at the end. Same layout for the host stage (numpy) and the device."""
-    r = rows
-    return (buf[0:r], buf[r:2 * r], buf[2 * r:3 * r], buf[3 * r:4 * r],
-            buf[4 * r:4 * r + _words(r)].view(i32)[:r])
+def _head_words(rows: int, states: bool) -> int:
+    return 4 * rows + _words(rows) + ((_words(rows) + -(-rows // 8)) if states else 0)
+
+
+def _head_views(buf, rows: int, i32, b8=None) -> tuple:
+    """(input_ids, positions, slot_mapping, sample_rows, seq_lens[, state_slots, has_initial_state])
+    of a decode head: int64 regions of `rows`, then seq_lens int32 packed; with `b8` (a bool dtype:
+    the model has recurrent states) also state_slots int32 and has_initial_state bool. Same layout
+    for the host stage (numpy) and the device."""
+    r, e = rows, 4 * rows + _words(rows)
+    views = (buf[0:r], buf[r:2 * r], buf[2 * r:3 * r], buf[3 * r:4 * r], buf[4 * r:e].view(i32)[:r])
+    if b8 is None:
+        return views
+    return (*views, buf[e:e + _words(r)].view(i32)[:r], buf[e + _words(r):e + _words(r) + -(-r // 8)].view(b8)[:r])
 
 
 class DecodeInputs:
@@ -96,8 +104,9 @@ class DecodeInputs:
     see `_stage` for why reusing them is safe."""
 
     def __init__(self, device: torch.device, width: int, page_size: int, *, rows: int = 0,
-                 scratch: int | None = None) -> None:
+                 scratch: int | None = None, states: bool = False) -> None:
         self.device = device
+        self.states = states  # rows also carry state_slots / has_initial_state (recurrent layers)
         self.width = int(width)
         self.page_size = int(page_size)
         self.scratch_cap = int(scratch or max(4 * self.width, 1024))  # table entries per copy
@@ -111,15 +120,18 @@ class DecodeInputs:
     # -- buffers -----------------------------------------------------------------------------------
     def _alloc(self, rows: int) -> None:
         r, dev = int(rows), self.device
-        self.rows, self._head = r, 4 * r + _words(r)
+        self.rows, self._head = r, _head_words(r, self.states)
         with torch.inference_mode(False):  # plain tensors: graphs and tests may write them anywhere
             self.buf = torch.zeros(self._head + self.scratch_cap + _words(self.scratch_cap),
                                    dtype=torch.int64, device=dev)
             self.block_tables = torch.full((r, self.width), -1, dtype=torch.int32, device=dev)
             self.query_start_loc = torch.arange(r + 1, dtype=torch.int32, device=dev)
-            (self.input_ids, self.positions, self.slot_mapping, self.sample_idx,
-             self.seq_lens) = _head_views(self.buf, r, torch.int32)
+            views = _head_views(self.buf, r, torch.int32, torch.bool if self.states else None)
+            self.input_ids, self.positions, self.slot_mapping, self.sample_idx, self.seq_lens = views[:5]
+            self.state_slots, self.has_initial_state = views[5:] if self.states else (None, None)
             self.slot_mapping.fill_(-1)
+            if self.states:
+                self.state_slots.fill_(-1)
             self._bt_flat = self.block_tables.view(-1)
         self._np: list = [None, None]          # numpy views of the stages, for this layout
         self._views: dict[int, tuple] = {}     # batch size -> device views
@@ -142,6 +154,8 @@ class DecodeInputs:
         """Device back to all padding (after the graphs' capture wrote dummy rows)."""
         self.buf[: self._head].zero_()
         self.slot_mapping.fill_(-1)
+        if self.states:
+            self.state_slots.fill_(-1)
         self.block_tables.fill_(-1)
         self._reset_rows(0)
 
@@ -172,7 +186,7 @@ class DecodeInputs:
             self._stages[s], self._np[s] = st, None
         if self._np[s] is None:
             host = st.numpy()
-            self._np[s] = (host, _head_views(host, self.rows, np.int32))
+            self._np[s] = (host, _head_views(host, self.rows, np.int32, np.bool_ if self.states else None))
         return (st, *self._np[s])
 
     def _record(self, s: int) -> None:
@@ -273,7 +287,7 @@ class DecodeInputs:
             if self.frozen:
                 return None
             self._alloc(max(b, 2 * self.rows, 8))
-        ids, pos, slots, slens, samp = [], [], [], [], []
+        ids, pos, slots, slens, samp, sslots = [], [], [], [], [], []
         for i, r in enumerate(reqs):  # checked before any state changes
             c, bt = r.num_computed_tokens, r.block_table
             if len(bt) * ps <= c:
@@ -284,16 +298,22 @@ class DecodeInputs:
             slens.append(c + 1)
             if c + 1 == len(r.token_ids):
                 samp.append(i)
+            if self.states:
+                sslots.append(r.state_slot)
         try:
             rows = self._assign(reqs)
             ident = rows == self._ident[:b]
             ops, k = self._table_updates(reqs, rows)
             s = self._turn
             self._turn ^= 1
-            stage, host, (h_ids, h_pos, h_slot, h_samp, h_len) = self._stage(s, self._head + self._dirty_words(k))
+            stage, host, hv = self._stage(s, self._head + self._dirty_words(k))
+            h_ids, h_pos, h_slot, h_samp, h_len = hv[:5]
             at = slice(0, b) if ident else rows
             h_ids[at], h_pos[at], h_slot[at], h_len[at] = ids, pos, slots, slens
             h_ids[b:], h_pos[b:], h_slot[b:], h_len[b:] = 0, 0, -1, 0   # padding rows for graph buckets
+            if self.states:
+                hv[5][at], hv[6][at] = sslots, [p > 0 for p in pos]  # pos = tokens computed before
+                hv[5][b:], hv[6][b:] = -1, False
             h_samp[:len(samp)] = [rows[i] for i in samp]
             if k:
                 self._write_updates(host, ops, k)
@@ -307,12 +327,14 @@ class DecodeInputs:
         v = self._views.get(b)
         if v is None:
             v = self._views[b] = (self.input_ids[:b], self.positions[:b], self.slot_mapping[:b],
-                                  self.seq_lens[:b], self.block_tables[:b], self.query_start_loc[:b + 1])
+                                  self.seq_lens[:b], self.block_tables[:b], self.query_start_loc[:b + 1],
+                                  *((self.state_slots[:b], self.has_initial_state[:b]) if self.states else (None, None)))
         if not ident:
             slens = [slens[i] for i in sorted(range(b), key=rows.__getitem__)]
         meta = AttentionMetadata(slot_mapping=v[2], query_start_loc=v[5], seq_lens=v[3], block_tables=v[4],
                                  max_query_len=1, max_seq_len=max(slens), is_decode=True,
-                                 query_lens_cpu=[1] * b, seq_lens_cpu=slens)
+                                 query_lens_cpu=[1] * b, seq_lens_cpu=slens, state_slots=v[6],
+                                 has_initial_state=v[7])
         sample_rows = slice(0, b) if ident and len(samp) == b else self.sample_idx[:len(samp)]
         return PreparedInputs(v[0], v[1], meta, sample_rows, samp, rows)
 
@@ -327,7 +349,10 @@ class ModelRunner:
         self.max_pages_per_seq = max_pages_per_seq
         self.forward_fn: ForwardFn = self.eager_forward
         self._pin = device.type == "cuda"
-        self.decode_inputs = DecodeInputs(device, max_pages_per_seq, page_size)
+        # Recurrent layers (the pool has state tensors): steps carry state slots, fresh ones are zeroed.
+        self.state_pool = getattr(backend, "pool", None) if getattr(getattr(backend, "pool", None), "states",
+                                                                    None) else None
+        self.decode_inputs = DecodeInputs(device, max_pages_per_seq, page_size, states=self.state_pool is not None)
 
     def eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta, self.backend)
@@ -369,6 +394,10 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
                 sample_req.append(i)
         decode = batch.is_decode
+        state_slots = has_init = None
+        if self.state_pool is not None:
+            state_slots = self._to_device(torch.tensor([r.state_slot for r in batch.requests], dtype=torch.int32))
+            has_init = self._to_device(torch.tensor([r.num_computed_tokens > 0 for r in batch.requests]))
         width = self.max_pages_per_seq if decode else max(len(r.block_table) for r in batch.requests)
         tables = torch.full((len(batch.requests), width), -1, dtype=torch.int32)
         for i, req in enumerate(batch.requests):
@@ -381,7 +410,7 @@ class ModelRunner:
             seq_lens=self._to_device(torch.tensor(slens, dtype=torch.int32)),
             block_tables=self._to_device(tables),
             max_query_len=max(qlens), max_seq_len=max(slens), is_decode=decode,
-            query_lens_cpu=qlens, seq_lens_cpu=slens,
+            query_lens_cpu=qlens, seq_lens_cpu=slens, state_slots=state_slots, has_initial_state=has_init,
         )
         return PreparedInputs(
             input_ids=self._to_device(torch.tensor(ids, dtype=torch.int64)),
@@ -394,6 +423,9 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor | None]:
         """Run one step. Returns (indices into batch of sampling sequences, their logits [N, V] float32)."""
         inp = self.prepare(batch)
+        if self.state_pool is not None:  # a sequence without computed tokens starts from a zero state
+            self.state_pool.reset_states([r.state_slot for r in batch.requests if r.num_computed_tokens == 0])
+        self.backend.plan(inp.meta)  # per-step work once, not per layer
         hidden = self.forward_fn(inp.input_ids, inp.positions, inp.meta)
         if not inp.sample_req_idx:
             return [], None

@@ -133,18 +133,12 @@ class Qwen3_5ForCausalLM(CausalLM):
         return [layer.linear_attn for layer in self.model.layers if layer.is_linear]
 
     def cache_specs(self, fmt):
-        """Paged KV in `fmt` for the full-attention layers, a state slot for each GDN layer."""
+        """Paged KV in `fmt` for the full-attention layers, a float32 state slot for each GDN layer."""
         from ninfer.kvcache.spec import AttentionSpec, CacheSpec, RecurrentStateSpec
         cfg = self.config
         att = AttentionSpec(cfg.num_kv_heads, cfg.head_dim, fmt)
-        specs = []
-        for layer in self.model.layers:
-            if layer.is_linear:
-                m = layer.linear_attn
-                specs.append(RecurrentStateSpec(m.state_shapes(), torch.float32))
-            else:
-                specs.append(att)
-        return CacheSpec(tuple(specs))
+        return CacheSpec(tuple(RecurrentStateSpec(layer.linear_attn.state_shapes(), torch.float32)
+                               if layer.is_linear else att for layer in self.model.layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 backend: BaseAttentionBackend) -> torch.Tensor:
@@ -168,10 +162,10 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
 
     checkpoint_ignore = ("mtp.", "model.visual.")
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg)
+    def place(self, device: torch.device) -> None:
+        super().place(device)
         log.warning("%s: serving the language model only; the vision tower (model.visual.*) is not loaded",
-                    cfg.architecture)
+                    self.config.architecture)
 
     def checkpoint_map(self) -> dict[str, tuple[str, int | None, int | None]]:
         return {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
