@@ -41,27 +41,16 @@ def _pair(tmp_path_factory: pytest.TempPathFactory, key: str, **extra: Any) -> t
     return _CACHE[key]
 
 
-class StateBackend(ReferenceAttentionBackend):
-    """The reference backend plus per-layer recurrent state tensors with `slots` rows."""
-
-    def __init__(self, pool: KVCachePool, model: Any, slots: int) -> None:
-        super().__init__(pool)
-        self.states = [{n: torch.zeros(slots, *shape) for n, shape in m.state_shapes().items()}
-                       for m in model.linear_layers()]
-
-    def state(self, index: int) -> dict[str, torch.Tensor]:
-        return self.states[index]
-
-
-def _backend(model: Any, kv_dtype: str = "auto", slots: int = 4) -> StateBackend:
-    cfg = model.config
-    pool = KVCachePool(kv_dtype, cfg.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, 64, page_size=PAGE,
-                       model_dtype=model.dtype)
-    return StateBackend(pool, model, slots)
+def _backend(model: Any, kv_dtype: str = "auto", slots: int = 4) -> ReferenceAttentionBackend:
+    """The reference backend over a pool built from the model's own cache spec (pages for the
+    attention layers, `slots` state slots for the GDN layers)."""
+    from ninfer.kvcache.formats import get_format
+    spec = model.cache_specs(get_format(kv_dtype))
+    return ReferenceAttentionBackend(KVCachePool.from_spec(spec, 64, slots, "cpu", model.dtype, page_size=PAGE))
 
 
 @torch.no_grad()
-def _step(model: Any, backend: StateBackend, chunks: list[torch.Tensor], starts: list[int], slots: list[int],
+def _step(model: Any, backend: ReferenceAttentionBackend, chunks: list[torch.Tensor], starts: list[int], slots: list[int],
           first_pages: list[int]) -> list[torch.Tensor]:
     q_lens = [len(c) for c in chunks]
     meta = build_metadata(q_lens, [s + n for s, n in zip(starts, q_lens)], PAGE, first_pages)
@@ -84,7 +73,7 @@ def test_varlen_chunked_prefill_and_decode_match_transformers(tmp_path_factory, 
     vocab = model.config.vocab_size
     seqs = [_prompt(93, vocab, 1), _prompt(40, vocab, 2)]
     backend = _backend(model)
-    for st in backend.states:  # a stale slot: reading it instead of zeros would show
+    for st in backend.pool.states:  # a stale slot: reading it instead of zeros would show
         st["ssm"][1].fill_(3.0)
         st["conv"][1].fill_(-2.0)
     got: list[list[torch.Tensor]] = [[], []]

@@ -178,6 +178,11 @@ class GatedDeltaNet(nn.Module):
         rep = self.hv // self.hk
         q = l2norm(q.float()).repeat_interleave(rep, dim=1) * self.dk ** -0.5
         k = l2norm(k.float()).repeat_interleave(rep, dim=1)
+        if meta.is_decode:  # one recurrence step for the whole batch
+            s = s0 * g.exp()[..., None, None]
+            u = beta.float()[..., None] * (v.float() - torch.einsum("bhkv,bhk->bhv", s, k))
+            s = s + k[..., None] * u[..., None, :]
+            return torch.einsum("bhkv,bhk->bhv", s, q), s
         lens = meta.query_lens_cpu or meta.query_start_loc.diff().tolist()
         outs, states, start = [], [], 0
         for i, n in enumerate(lens):

@@ -213,7 +213,8 @@ def write_tokenizer(out: Path, source: str | Path | None = "auto") -> Any:
 def write_random_checkpoint(out_dir: str | Path, preset: str | dict[str, Any] = "qwen3-8b", *,
                             dtype: str | torch.dtype = "bf16", device: str = "auto", seed: int = 0,
                             std: float = 0.02, shard_bytes: int = 4 * GiB, tokenizer: str | Path | None = "auto",
-                            overrides: dict[str, Any] | None = None, progress: bool = False) -> Path:
+                            overrides: dict[str, Any] | None = None, progress: bool = False,
+                            config_only: bool = False) -> Path:
     """Write a random-weight Qwen3ForCausalLM (or, hybrid presets, Qwen3_5ForCausalLM) checkpoint of `preset` (a name in PRESETS or a dict of
     HF config fields) to out_dir and return it. `overrides` replace geometry fields."""
     g = geometry(preset, **(overrides or {}))
@@ -233,14 +234,14 @@ def write_random_checkpoint(out_dir: str | Path, preset: str | dict[str, Any] = 
     weight_map: dict[str, str] = {}
     total = 0
     t0 = time.perf_counter()
-    for k, shard in enumerate(shards):
+    for k, shard in enumerate([] if config_only else shards):  # config_only: for `ninfer plan`
         fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
         total += _write_shard(out / fname, shard, tdtype, dev, gen, std)
         weight_map.update({name: fname for name, _, _ in shard})
         if progress:
             print(f"  {fname}: {total / GiB:.2f} GiB in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    if not config_only:
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
     ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
            "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id}
     dname = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[tdtype]
@@ -266,8 +267,8 @@ def write_random_checkpoint(out_dir: str | Path, preset: str | dict[str, Any] = 
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({k: v for k, v in ids.items() if v is not None}) + "\n")
     if progress:
-        print(f"wrote {out}: {len(specs)} tensors, {total / GiB:.2f} GiB, {len(shards)} shard(s), "
-              f"{time.perf_counter() - t0:.1f} s on {dev}", file=sys.stderr)
+        what = "config only" if config_only else f"{len(specs)} tensors, {total / GiB:.2f} GiB, {len(shards)} shard(s)"
+        print(f"wrote {out}: {what}, {time.perf_counter() - t0:.1f} s on {dev}", file=sys.stderr)
     return out
 
 
@@ -290,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bf16", choices=sorted(dtypes.ALIASES))
     p.add_argument("--device", default="auto", help="where the weights are drawn: auto, cuda, cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--config-only", action="store_true", help="write config.json and the tokenizer, no weights "
+                   "(enough for `ninfer plan`)")
     p.add_argument("--std", type=float, default=0.02)
     p.add_argument("--shard-gib", type=float, default=4.0)
     p.add_argument("--tokenizer-from", default="auto",
@@ -298,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     write_random_checkpoint(a.out, a.preset, dtype=a.dtype, device=a.device, seed=a.seed, std=a.std,
                             shard_bytes=int(a.shard_gib * GiB), overrides=dict(a.overrides), progress=True,
+                            config_only=a.config_only,
                             tokenizer=None if a.tokenizer_from == "byte" else a.tokenizer_from)
     return 0
 
