@@ -97,3 +97,31 @@ def test_planner_and_model_agree_on_the_cache_spec(tmp_path_factory) -> None:
         assert spec.num_kv_layers == 1 and len(spec.state_specs) == 3
     m = model.linear_layers()[0]
     assert spec.state_bytes_per_seq() == 3 * 4 * (3 * m.conv_dim + m.hv * m.dk * m.dv)
+
+
+def test_hybrid_preset_checkpoint_is_what_transformers_loads(tmp_path: Path) -> None:
+    """The random checkpoint writer's tiny-hybrid preset: every tensor transformers'
+    Qwen3_5ForCausalLM expects, nothing else, and our logits equal its logits."""
+    from transformers import AutoModelForCausalLM
+
+    from ninfer.attention.reference import ReferenceAttentionBackend
+    from ninfer.kvcache.formats import get_format
+    from ninfer.kvcache.pool import KVCachePool
+    from ninfer.models import load_model
+    from ninfer.tools.random_checkpoint import main
+    from tests.tiny_models import build_metadata
+    out = tmp_path / "tiny-hybrid"
+    assert main(["--preset", "tiny-hybrid", "--out", str(out), "--device", "cpu", "--dtype", "fp32",
+                 "--tokenizer-from", "byte", "--std", "0.1"]) == 0
+    hf, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    model = load_model(out, dtype="fp32", progress=False)
+    assert model.config.num_kv_layers == 2 and len(model.linear_layers()) == 6
+    ids = torch.randint(0, model.config.vocab_size, (80,), generator=torch.Generator().manual_seed(0))
+    pool = KVCachePool.from_spec(model.cache_specs(get_format("auto")), 4, 1, "cpu", model.dtype)
+    meta = build_metadata([80], [80])
+    meta.state_slots, meta.has_initial_state = torch.tensor([0], dtype=torch.int32), torch.tensor([False])
+    with torch.no_grad():
+        ours = model.compute_logits(model(ids, torch.arange(80), meta, ReferenceAttentionBackend(pool)))
+        ref = hf.eval()(ids[None]).logits[0].float()
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=2e-4)

@@ -244,7 +244,7 @@ def write_random_checkpoint(out_dir: str | Path, preset: str | dict[str, Any] = 
         (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
     ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
            "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id}
-    dname = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[tdtype]
+    dname = str(tdtype).removeprefix("torch.")  # config.json spells it "bfloat16"
     hybrid = {}
     if is_hybrid(g):
         hybrid = {k: g[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
