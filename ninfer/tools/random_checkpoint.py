@@ -8,12 +8,13 @@
 No transformers model is instantiated: every tensor is drawn with torch.randn on the device, copied
 to the host and appended to its safetensors shard, one at a time, so host memory stays at one
 tensor and an 8B checkpoint takes about as long as the disk needs to take 16 GB. The directory is a
-plain HF Qwen3ForCausalLM checkpoint (Qwen3_5ForCausalLM for the hybrid presets): config.json, model-0000x-of-0000n.safetensors +
-model.safetensors.index.json, generation_config.json and a tokenizer.
+plain HF Qwen3ForCausalLM checkpoint (Qwen3_5ForCausalLM for the hybrid presets): config.json,
+model-0000x-of-0000n.safetensors + model.safetensors.index.json, generation_config.json and a tokenizer.
 
 Weights: N(0, std^2) with std 0.02 for every matrix (an 8B model's initializer range), every norm
-weight 1 (Qwen3.5's offset norms 0, i.e. a scale of 1; its GDN decay A_log 0). With unit-RMS normed inputs a projection's output has std 0.02*sqrt(fan_in) (~1.3 at
-hidden 4096), so the residual stream grows only additively over the layers and bf16 stays finite.
+weight 1 (Qwen3.5's offset norms 0, i.e. a scale of 1; its GDN decay A_log 0). With unit-RMS
+normed inputs a projection's output has std 0.02*sqrt(fan_in) (~1.3 at hidden 4096), so the
+residual stream grows only additively over the layers and bf16 stays finite.
 Speed runs feed token ids and ignore EOS, so the tokenizer only has to load: it is copied from the
 bundled probe model when that exists, else a byte-level tokenizer (256 byte tokens + ChatML
 specials) is written; config vocab_size is always >= its size.
@@ -164,7 +165,8 @@ def _write_shard(path: Path, specs: list, dtype: torch.dtype, device: torch.devi
     off = 0
     for name, shape, _ in specs:
         n = math.prod(shape) * itemsize
-        header[name] = {"dtype": dtypes.SAFETENSORS_TAGS[dtypes.canonical(dtype)], "shape": list(shape), "data_offsets": [off, off + n]}
+        tag = dtypes.SAFETENSORS_TAGS[dtypes.canonical(dtype)]
+        header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [off, off + n]}
         off += n
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
@@ -215,8 +217,9 @@ def write_random_checkpoint(out_dir: str | Path, preset: str | dict[str, Any] = 
                             std: float = 0.02, shard_bytes: int = 4 * GiB, tokenizer: str | Path | None = "auto",
                             overrides: dict[str, Any] | None = None, progress: bool = False,
                             config_only: bool = False) -> Path:
-    """Write a random-weight Qwen3ForCausalLM (or, hybrid presets, Qwen3_5ForCausalLM) checkpoint of `preset` (a name in PRESETS or a dict of
-    HF config fields) to out_dir and return it. `overrides` replace geometry fields."""
+    """Write a random-weight Qwen3ForCausalLM checkpoint (Qwen3_5ForCausalLM for the hybrid presets)
+    of `preset` (a name in PRESETS or a dict of HF config fields) to out_dir and return it.
+    `overrides` replace geometry fields; `config_only` writes no weights (enough for `ninfer plan`)."""
     g = geometry(preset, **(overrides or {}))
     tdtype = dtypes.to_torch(dtype)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
@@ -241,7 +244,8 @@ def write_random_checkpoint(out_dir: str | Path, preset: str | dict[str, Any] = 
         if progress:
             print(f"  {fname}: {total / GiB:.2f} GiB in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if not config_only:
-        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
     ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
            "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id}
     dname = str(tdtype).removeprefix("torch.")  # config.json spells it "bfloat16"
