@@ -6,8 +6,11 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 DEFAULT_KV_DTYPE = "rk4v4-e8"
+# the bundled probe model (models/probe/ in the repository): the model used when none is named
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "probe"
 PAGE_SIZE = 64
 
 

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from ninfer import LLM
     from ninfer.bench import _timing as T
     from ninfer.bench.needle import build_cases
-    from ninfer.probe import default_model_dir
+    from ninfer.tools.probe import default_model_dir
     model = args.model or str(default_model_dir())
     try:  # bad input fails here, before any model is loaded
         kvs = T.kv_dtypes(args.kv_dtype)

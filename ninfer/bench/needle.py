@@ -1,6 +1,6 @@
 """Needle-in-a-haystack grid per kv-dtype x context x depth (DESIGN §7).
 
-Five needles at 10/25/50/75/90% depth in one document (ninfer.probe.data), the question asked at
+Five needles at 10/25/50/75/90% depth in one document (ninfer.tools.probe.data), the question asked at
 the very end, each needle asked and scored on its own: five requests per context, greedy, prefix
 reuse off. A needle passes when the output is exactly the answer sentence "The secret code for
 <key> is <value>." and finish_reason == "stop".
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ninfer.config import PAGE_SIZE, parse_token_count
-from ninfer.probe import data, default_model_dir
-from ninfer.probe.evaluate import encoder, log_odds_from_logprob
+from ninfer.tools.probe import data, default_model_dir
+from ninfer.tools.probe.evaluate import encoder, log_odds_from_logprob
 
 MAX_TOKENS = 16
 

@@ -97,7 +97,7 @@ def plan_table(model: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     from ninfer.model_config import ConfigError, ModelConfig
-    from ninfer.models.rope import apply_rope_overrides, scaled_max_position
+    from ninfer.layers.rotary import apply_rope_overrides, scaled_max_position
     from ninfer.kvcache.planner import GiB, format_bytes, resolve_weights_dtype
     try:
         if not args.memory > 0:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from ninfer.config import PAGE_SIZE, EngineConfig
+from ninfer.config import DEFAULT_MODEL_DIR, PAGE_SIZE, EngineConfig
 from ninfer.engine.detokenizer import IncrementalDetokenizer
 from ninfer.engine.model_runner import ModelRunner
 from ninfer.engine.request import Request, RequestOutput
@@ -33,7 +33,7 @@ from ninfer.kvcache.spec import CacheSpec
 from ninfer.model_config import ModelConfig
 from ninfer.engine import cpu
 from ninfer.models.loader import load_model, load_tokenizer, resolve_dtype
-from ninfer.models.rope import apply_rope_overrides, scaled_max_position
+from ninfer.layers.rotary import apply_rope_overrides, scaled_max_position
 
 log = logging.getLogger("ninfer.engine")
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -57,12 +57,8 @@ class EngineStats:
 
 
 def default_model_dir() -> Path:
-    """The bundled probe model (ninfer.probe.default_model_dir when that exists)."""
-    try:
-        from ninfer.probe import default_model_dir as probe_dir  # type: ignore[attr-defined]
-        return Path(probe_dir())
-    except (ImportError, AttributeError):
-        return Path(__file__).resolve().parents[2] / "models" / "probe"
+    """The bundled probe model."""
+    return DEFAULT_MODEL_DIR
 
 
 def _eos_token_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
@@ -99,10 +95,9 @@ def _tokenizer(model_dir: Path) -> Any:
 
 def declared_cache_spec(mc: ModelConfig, fmt: KVFormat) -> CacheSpec:
     """The model's cache spec before any weight exists: from an instance on the meta device."""
-    from ninfer.models.decoder import CausalLM
-    from ninfer.models.registry import get_arch_spec
+    from ninfer.models.registry import get_model_class
     with torch.device("meta"):
-        model = CausalLM(mc, get_arch_spec(mc.architecture))
+        model = get_model_class(mc.architecture)(mc)
     return model.cache_specs(fmt)
 
 

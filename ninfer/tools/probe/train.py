@@ -1,6 +1,6 @@
 """Train the bundled probe model (a small Qwen3) on synthetic long-document retrieval.
 
-    python -m ninfer.probe.train --out DIR [--minutes M] [--seed S] [--device cuda] [--tiny]
+    python -m ninfer.tools.probe.train --out DIR [--minutes M] [--seed S] [--device cuda] [--tiny]
 
 Recipe (why each piece is there):
 * Every needle of a document is asked at the end, as a multi-turn chat, with the loss on all
@@ -95,7 +95,7 @@ def param_groups(model, weight_decay: float) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ninfer.probe.train", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ninfer.tools.probe.train", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="output HF model directory")
     ap.add_argument("--report", help="training report JSON (default: <out>_train.json beside the directory)")
     ap.add_argument("--minutes", type=float, default=4.8, help="wall-clock training budget")
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         results["yarn"] = {"rope_parameters": rp, **evaluate(ymodel, tok, lengths, a.eval_docs, seed=a.seed + 1,
                                                               device=dev, deadline=deadline, log=log)}
     report = {
-        "command": "python -m ninfer.probe.train " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m ninfer.tools.probe.train " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "torch": torch.__version__, "args": vars(a), "params": n_params, "config": shape,

@@ -1,6 +1,6 @@
 """Choose the best of several probe training runs by their measured retrieval and ship it.
 
-    python -m ninfer.probe.pick --out DIR --report FILE RUN_DIR [RUN_DIR ...]
+    python -m ninfer.tools.probe.pick --out DIR --report FILE RUN_DIR [RUN_DIR ...]
 
 Used as a hedge: several train.py processes share the one GPU (scripts/gpu_session.sh probe),
 differing in seed or one setting, and whether key matching forms within the budget varies from
@@ -28,7 +28,7 @@ def _score(ev: dict, lengths=None) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ninfer.probe.pick")
+    ap = argparse.ArgumentParser(prog="python -m ninfer.tools.probe.pick")
     ap.add_argument("--out", required=True)
     ap.add_argument("--report", required=True)
     ap.add_argument("runs", nargs="+")
