@@ -316,6 +316,7 @@ def test_cli_flags_and_vllm_aliases() -> None:
     a = p.parse_args([])
     assert (a.model, a.host, a.port, a.api_key or None, a.greedy, a.no_thinking) == (None, "127.0.0.1", 8080, None,
                                                                                      False, False)
+    assert a.max_tokens_default == cli.DEFAULT_MAX_TOKENS == 8192 and a.shutdown_timeout == 10.0
     assert cli.served_name(None, None) == "probe" and cli.served_name("/m/Qwen3-8B/", None) == "Qwen3-8B"
     a = p.parse_args(["/m/x", "--max-model-len", "32K", "--kv-cache-dtype", "int8", "--max-num-seqs", "3",
                       "--enforce-eager", "--no-enable-prefix-caching", "--max-pending-requests", "0",

@@ -55,6 +55,8 @@ class EngineStats:
     generation_tokens_total: int
     num_preemptions: int
     num_steps: int
+    num_total_state_slots: int | None = None   # recurrent-state slots (models with linear-attention layers)
+    num_free_state_slots: int | None = None
 
 
 def default_model_dir() -> Path:
@@ -351,7 +353,9 @@ class LLMEngine:
             num_total_pages=bm.num_pages, num_free_pages=bm.num_free_pages,
             prefix_cache_queries=self.scheduler.prefix_queries, prefix_cache_hits=self.scheduler.prefix_hits,
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
-            num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps)
+            num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
+            **({"num_total_state_slots": bm.num_state_slots, "num_free_state_slots": bm.num_free_slots}
+               if bm.num_state_slots else {}))
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

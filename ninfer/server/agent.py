@@ -77,8 +77,8 @@ class ChatPlan:
         for a schema the compiler rejects."""
         if self.reasoning is None and self.schema is None and self.tool_parser is None:
             return params
-        tok = serving.engine.tokenizer
-        tail = await serving.on_tokenizer(tok.decode, prompt_ids[-32:], skip_special_tokens=False)
+        # the tokenizer pool has several threads: each uses its own copy (serving.tokenizer)
+        tail = await serving.on_tokenizer(lambda: serving.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False))
         if self.schema is None and (self.tool_parser is None or self.tool_choice == "auto"):
             self.read_prompt(tail)        # only where the reasoning starts matters
             return params
