@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from ninfer.attention.base import AttentionMetadata, BaseAttentionBackend
+from ninfer.attention.base import BaseAttentionBackend, StepMetadata
 
 # Bound on one score block (query rows x cached tokens x heads, float32 elements), so a long
 # prefill chunk over a long context does not materialize a huge [H, q, L] matrix at once.
@@ -49,15 +50,8 @@ class ReferenceAttentionBackend(BaseAttentionBackend):
         return self.fmt.decode(tokens(planes[name]), None if scale is None else tokens(scale),
                                rotated=False, dtype=torch.float32)
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        t, hq, d = q.shape
-        hkv = k.shape[1]
-        if hq % hkv:
-            raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
-        group = hq // hkv
-        self.store(layer, k, v, meta.slot_mapping)
-
+    def plan(self, meta: StepMetadata) -> tuple[list[int], list[int]]:
+        """Host copies of the query starts and sequence lengths, once per step."""
         if meta.query_lens_cpu is not None:
             starts = [0]
             for n in meta.query_lens_cpu:
@@ -65,6 +59,18 @@ class ReferenceAttentionBackend(BaseAttentionBackend):
         else:
             starts = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
+        meta.plan = (starts, [int(n) for n in seq_lens])
+        return meta.plan
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: StepMetadata, scale: float) -> torch.Tensor:
+        t, hq, d = q.shape
+        hkv = k.shape[1]
+        if hq % hkv:
+            raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+        group = hq // hkv
+        self.store(layer, k, v, meta.slot_mapping)
+        starts, seq_lens = meta.plan if isinstance(meta.plan, tuple) else self.plan(meta)
         out = torch.empty_like(q)
         for b, seq_len in enumerate(seq_lens):
             q0, q1 = int(starts[b]), int(starts[b + 1])
@@ -84,6 +90,12 @@ class ReferenceAttentionBackend(BaseAttentionBackend):
             # query i sits at absolute position seq_len - q_len + i and sees keys 0..that position
             qpos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             kpos = torch.arange(seq_len, device=q.device)
+            if q_len == seq_len and q_len > 1:
+                # A whole-sequence prefill is top-left causal: SDPA's fused kernel skips the masked half.
+                ob = F.scaled_dot_product_attention(qb.reshape(1, hq, q_len, d), kb[None], vb[None],
+                                                    is_causal=True, scale=scale, enable_gqa=True)
+                out[q0:q1] = ob[0].permute(1, 0, 2).to(q.dtype)
+                continue
             rows = max(1, _MAX_SCORE_ELEMS // max(1, hq * seq_len))
             ob = torch.empty(hkv, group, q_len, d, dtype=torch.float32, device=q.device)
             for r0 in range(0, q_len, rows):

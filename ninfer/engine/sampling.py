@@ -30,7 +30,7 @@ class SamplingParams:
     stop: list[str] | str | None = field(default_factory=list)
     stop_token_ids: list[int] | None = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None          # not None = return the chosen token's logprob per step
+    logprobs: int | None = None          # not None = the chosen token's logprob per step, and the top N
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     min_tokens: int = 0                  # EOS / stop tokens are masked until this many tokens exist
@@ -105,6 +105,7 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float | None]
     bad_rows: list[int]                  # rows whose logits held NaN/Inf: nothing sampled for them
+    top_logprobs: list[list[tuple[int, float]] | None] | None = None  # per row: the N likeliest (id, logprob)
 
 
 def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
@@ -187,9 +188,13 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | 
                 probs = _filter_probs(x[i], r.params)
                 tokens[i] = torch.multinomial(probs, 1, generator=r.generator)[0]
     want_lp = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    lp = None
+    lp = top = None
+    top_n = max((rows[i].params.logprobs or 0) for i in want_lp) if want_lp else 0
     if want_lp:
-        lp = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+        logp = torch.log_softmax(logits, dim=-1)
+        lp = logp.gather(1, tokens[:, None])[:, 0]
+        if top_n:   # alternatives only when asked for: an extra host copy
+            top = logp.topk(min(top_n, logp.shape[-1]), dim=-1)
     # One device->host copy (the step's only sync); stack promotes in its own kernel (to int64, or
     # to float64 with logprobs: exact for any token id).
     host = torch.stack([tokens, finite] + ([lp.double()] if lp is not None else [])).cpu()
@@ -201,4 +206,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | 
     bad = [i for i in range(n) if not ok[i]]
     for i in bad:
         token_ids[i] = -1
-    return SampleResult(token_ids, logprobs, bad)
+    tops = None
+    if top is not None:
+        vals, ids = top.values.double().cpu().tolist(), top.indices.cpu().tolist()
+        tops = [list(zip(ids[i][:k], vals[i][:k])) if (k := rows[i].params.logprobs or 0) and ok[i] else None
+                for i in range(n)]
+    return SampleResult(token_ids, logprobs, bad, tops)

@@ -9,7 +9,7 @@ warp, and K/V and groups run in parallel programs rather than one after another 
 Qwen3-8B decode: 12.4 us per layer for rk4v4-e8 with all of a token's groups, K and V, in one
 16-row program).
 
-Bit-exactness with the torch reference (``ninfer/kvcache/formats.py`` + ``e8.py``):
+Bit-exactness with the torch reference (``ninfer/kvcache/formats/`` + ``e8.py``):
 * rotation ``x @ R`` (R = S.H64.S, ``kvcache/hadamard.py``) is the 6-stage Walsh-Hadamard
   butterfly in float32 (``rotate_rows_fwht``; ``STORE_FWHT = False`` selects the older float32
   FMA ``tl.dot``): every intermediate is a signed partial sum of the same exact +-1/8 terms, so it
@@ -30,22 +30,19 @@ Bit-exactness with the torch reference (``ninfer/kvcache/formats.py`` + ``e8.py`
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 import triton
 import triton.language as tl
 
-from ninfer.kernels._common import FMT_E8, FMT_INT8, FMT_PLAIN, FMT_RK4, fmt_code
+from ninfer.kernels._common import FMT_E8, FMT_INT8, FMT_PLAIN, FMT_RK4, kernel_code
 from ninfer.kernels.hadamard import rot64, rotate_rows_fwht
-from ninfer.kvcache.formats import GROUP, get_format
+from ninfer.kvcache.formats import GROUP, KVFormat
 
 # Format switch (constexpr): one compiled variant per format; FMT_COPY = unquantized planes.
 FMT_COPY = FMT_PLAIN
 BLOCK_T = 16  # tokens per program of the 4-bit formats (tl.dot needs M >= 16)
 BLOCK_T_WIDE = 32  # unquantized copy and int8 (H200, 16384 tokens: int8 56.6 -> 46.7 us vs 16 rows)
 STORE_FWHT = True  # rotation by butterfly (False: fp32 FMA tl.dot); module switch for the bench
-log = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -70,8 +67,9 @@ def _split8(x):
 
 @triton.jit
 def _e8_words(zs):
-    """The E8 search per word, elementwise on the 8 slices zs[j] ([BT, 8 (w)] float32) -> packed
-    words with the coset bit: ``e8.coset_candidates``' ops, keys, tie rules and sequential sum."""
+    """The E8 search per word, elementwise on the 8 slices zs[j] ([BT, 8 (w)] float32) -> (packed
+    words with the coset bit, <z, p> and <p, p> per token, exact): ``e8.coset_candidates``' ops,
+    keys, tie rules and sequential sum, then ``e8._dots``."""
     s = tl.zeros(zs[0].shape, tl.float32)
     k0b = tl.zeros(zs[0].shape, tl.float32)
     vb = tl.zeros(zs[0].shape, tl.float32)
@@ -112,7 +110,52 @@ def _e8_words(zs):
     up = ((m >> sh) & 1) == half.to(tl.int32)  # integer coset: up unless r < 0; half: up iff m
     up = tl.where(up, nib < 15, nib == 0)  # at the box edge: inward
     w = w + tl.where(tl.where(half, odd1, odd0), tl.where(up, 1, -1) << sh, 0)
-    return (w & ~(1 << 28)) | (half.to(tl.int32) << 28)
+    return (w & ~(1 << 28)) | (half.to(tl.int32) << 28), w, half
+
+
+@triton.jit
+def _dots(zs, w, half):
+    """<z, p> and <p, p> per token of the points p = n + c/2 (w: nibbles n + 8, n7's own low bit)
+    against the slices zs: e8._dots, exact float32 sums (their order is free)."""
+    zp = tl.zeros(zs[0].shape, tl.float32)
+    pp = tl.zeros(zs[0].shape, tl.float32)
+    for j in tl.static_range(8):
+        p = (((w >> (4 * j)) & 15) - 8).to(tl.float32) + tl.where(half, 0.5, 0.0)
+        zp = zp + zs[j] * p
+        pp = pp + p * p
+    return tl.sum(zp, axis=1), tl.sum(pp, axis=1)
+
+
+@triton.jit
+def _grid(v):
+    """float64 v rounded to the 2^-8 grid (e8.GRID, half to even) at 1.5 * 2^44, as float32."""
+    return ((v + 26388279066624.0) - 26388279066624.0).to(tl.float32)
+
+
+@triton.jit
+def _refit(s0, zp, pp):
+    """e8._refit: fp16_rn(min(s0 * (zp / pp), 65504)) as float32, 0 where pp == 0."""
+    q = tl.math.div_rn(zp, tl.where(pp > 0.0, pp, 1.0))
+    s = tl.minimum(s0 * q, 65504.0).to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
+    return tl.where(pp > 0.0, s, 0.0)
+
+
+@triton.jit
+def _e8_refit(z, s0, BT: tl.constexpr):
+    """e8.encode_e8_refit on code units z [BT, 64] of scales s0 [BT] -> (words [BT, 8], scales [BT])."""
+    zs = _split8(tl.permute(tl.reshape(z, (BT, 8, 8)), (0, 2, 1)))
+    e0, w0, h0 = _e8_words(zs)
+    zp0, pp0 = _dots(zs, w0, h0)
+    s1 = _refit(s0, zp0, pp0)
+    ok = s1 > 0.0
+    t = tl.math.div_rn(s0, tl.where(ok, s1, 1.0))
+    z1 = tl.minimum(tl.maximum(_grid(z.to(tl.float64) * t.to(tl.float64)[:, None]), -8.0), 8.0)
+    e1, w1, h1 = _e8_words(_split8(tl.permute(tl.reshape(z1, (BT, 8, 8)), (0, 2, 1))))
+    zp1, pp1 = _dots(zs, w1, h1)  # against z0, as the cost
+    s2 = _refit(s0, zp1, pp1)
+    two = s0 + s0
+    take = ok & (s2 > 0.0) & (s2 * (s2 * pp1 - two * zp1) < s1 * (s1 * pp0 - two * zp0))
+    return tl.where(take[:, None], e1, e0), tl.where(take, s2, tl.where(ok, s1, s0))
 
 
 @triton.jit
@@ -147,10 +190,11 @@ def _store_group(x_ptr, sxt, sxh, data_ptr, scale_ptr, rows, tok, valid, h, g, C
         up = (s16.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True)
         s16 = tl.where(s16.to(tl.float32) < raw, up, s16)
     s = s16.to(tl.float32)
-    tl.store(scale_ptr + rows * G + g, s16, mask=valid)
+    if FMT != 3:
+        tl.store(scale_ptr + rows * G + g, s16, mask=valid)
     y = tl.where(s > 0.0, tl.math.div_rn(tl.full([BT], 1.0, tl.float32), tl.where(s > 0.0, s, 1.0)), 0.0)
     if FMT == 3:  # on the 2^-8 grid (e8.GRID): the exact product (float64 holds it) rounded once at 1.5 * 2^44
-        z = (((r.to(tl.float64) * y.to(tl.float64)[:, None]) + 26388279066624.0) - 26388279066624.0).to(tl.float32)
+        z = _grid(r.to(tl.float64) * y.to(tl.float64)[:, None])
     else:
         z = r * y[:, None]  # code units: x * RN(1/s), as formats.code_units
     if FMT == 1:
@@ -166,7 +210,8 @@ def _store_group(x_ptr, sxt, sxh, data_ptr, scale_ptr, rows, tok, valid, h, g, C
                 u = tl.minimum(tl.maximum(_rint(zs[j]), -8.0), 7.0).to(tl.int32) + 8
                 words = words | (u << (4 * j))
         else:
-            words = _e8_words(zs)
+            words, s = _e8_refit(z, s, BT)
+            tl.store(scale_ptr + rows * G + g, s.to(tl.float16), mask=valid)
         w = tl.arange(0, 8)
         tl.store(data_ptr + rows[:, None] * (D // 8) + g * 8 + w[None, :], words, mask=m)
 
@@ -224,16 +269,11 @@ def _check_plane(planes: dict, name: str, dtype: torch.dtype, hkv: int, extent: 
     return p
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch.Tensor, fmt_name: str,
-             *, block_t: int | None = None, num_warps: int | None = None, backend: str = "auto") -> None:
-    """Encode k/v [T, Hkv, D] with format ``fmt_name`` and write them to ``planes`` (the pool's
-    per-layer dict) at ``slot_mapping`` [T] (page * page_size + offset; -1 = skip). In place.
-    block_t / num_warps: tuning knobs of the Triton kernel (tokens per program, a power of 2 >= 2).
-    backend: "auto" (the CUDA C++ store for rk4v4 / rk4v4-e8 where it runs, else Triton), "triton"
-    or "cuda" (an error where it cannot run); both write the same bytes."""
-    if backend not in ("auto", "triton", "cuda"):
-        raise ValueError(f"store_kv: backend must be auto, triton or cuda, got {backend!r}")
-    fmt = get_format(fmt_name)
+def checked_store_args(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch.Tensor,
+                       fmt: KVFormat) -> tuple:
+    """The checks every store implementation shares -> (code, kd, ks, vd, vs, page); the packed
+    formats' data planes come back as int32 words (8 nibbles per little-endian word)."""
+    code = kernel_code(fmt, "store_kv")
     if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(f"store_kv: k {list(k.shape)} and v {list(v.shape)} must both be [T, Hkv, D]")
     if not (k.is_floating_point() and v.dtype == k.dtype):
@@ -244,7 +284,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch
                          f"got {slot_mapping.dtype}{list(slot_mapping.shape)}")
     if k.device != slot_mapping.device or v.device != k.device:
         raise ValueError("store_kv: k, v and slot_mapping must be on one device")
-    code = fmt_code(fmt)
     if code != FMT_COPY and d % GROUP:
         raise ValueError(f"store_kv: kv_dtype={fmt.name} needs head_dim % 64 == 0, got {d}")
     kp = planes.get("k")
@@ -265,10 +304,23 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch
         vs = _check_plane(planes, "v_scale", torch.float16, hkv, d // GROUP, k.device)
     if code in (FMT_RK4, FMT_E8):
         kd, vd = kd.view(torch.int32), vd.view(torch.int32)  # 8 nibbles per little-endian word
+    return code, kd, ks, vd, vs, page
+
+
+def store_kv_triton(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch.Tensor, fmt: KVFormat,
+                    *, block_t: int | None = None, num_warps: int | None = None) -> None:
+    """Encode k/v [T, Hkv, D] with format ``fmt`` and write them to ``planes`` (the pool's
+    per-layer dict) at ``slot_mapping`` [T] (page * page_size + offset; -1 = skip). In place.
+    block_t / num_warps: tuning knobs (tokens per program, a power of 2 >= 2). The CUDA C++ store
+    (store_kv_cuda.py) writes the same bytes for rk4v4 / rk4v4-e8."""
+    code, kd, ks, vd, vs, page = checked_store_args(k, v, planes, slot_mapping, fmt)
+    t, hkv, d = k.shape
+    bt = block_t or (BLOCK_T_WIDE if code in (FMT_COPY, FMT_INT8) else BLOCK_T)
+    if bt < 2 or bt & (bt - 1):
+        raise ValueError(f"store_kv: block_t must be a power of 2 >= 2, got {bt}")
+    if num_warps is not None and (num_warps < 1 or num_warps > 32 or num_warps & (num_warps - 1)):
+        raise ValueError(f"store_kv: num_warps must be a power of 2 in 1..32, got {num_warps}")
     if t == 0:
-        return
-    if backend != "triton" and block_t is None and num_warps is None and _try_cuda(
-            k, v, kd, ks, vd, vs, slot_mapping, code, fmt, page, backend):
         return
     if code == FMT_COPY and k.dtype != kd.dtype:
         # torch's round-to-nearest cast (rare: model dtype differs from bf16 storage); the
@@ -278,11 +330,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch
         k = k.contiguous()
     if v.stride(2) != 1:
         v = v.contiguous()
-    bt = block_t or (BLOCK_T_WIDE if code in (FMT_COPY, FMT_INT8) else BLOCK_T)
-    if bt < 2 or bt & (bt - 1):
-        raise ValueError(f"store_kv: block_t must be a power of 2 >= 2, got {bt}")
-    if num_warps is not None and (num_warps < 1 or num_warps > 32 or num_warps & (num_warps - 1)):
-        raise ValueError(f"store_kv: num_warps must be a power of 2 in 1..32, got {num_warps}")
     if STORE_FWHT or code in (FMT_COPY, FMT_INT8):  # only the tl.dot rotation needs 16 rows
         bt = min(bt, max(2, triton.next_power_of_2(t)))
     grid = (triton.cdiv(t, bt), hkv, 2 * (1 if code == FMT_COPY else d // GROUP))
@@ -292,24 +339,3 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch
         FMT=code, D=d, BLOCK_D=triton.next_power_of_2(d), PAGE=page, BT=bt, FWHT=STORE_FWHT,
         num_warps=num_warps or (1 if bt <= 4 else 4),
         enable_fp_fusion=False)  # no FMA contraction: every rounding as in the reference
-
-
-def _try_cuda(k, v, kd, ks, vd, vs, slot_mapping, code, fmt, page, backend) -> bool:
-    """Run the CUDA C++ store if it can take this call; False sends the call to Triton."""
-    from ninfer.kernels import store_kv_cuda as sc
-    why = sc.cuda_store_supported(k, fmt.name)
-    if why is not None:
-        if backend == "cuda":
-            raise ValueError(f"store_kv: CUDA store unavailable: {why}")
-        return False
-    if k.stride(2) != 1 or v.stride(2) != 1:
-        k, v = k.contiguous(), v.contiguous()
-    try:
-        sc.store_kv_cuda(k, v, kd, ks, vd, vs, slot_mapping, code, float(fmt.scale_divisor), page)
-    except Exception as e:  # a broken compiler or driver must not stop the engine: Triton writes the same bytes
-        if backend == "cuda":
-            raise
-        sc._STORE.error = f"{type(e).__name__}: {e}"
-        log.warning("store_kv: CUDA store failed (%s); the Triton store takes over", sc._STORE.error)
-        return False
-    return True
