@@ -3,13 +3,16 @@ planner can size a deployment before anything is downloaded or loaded. Handles d
 configs: only full-attention layers hold a KV cache."""
 from __future__ import annotations
 
+import builtins
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "bf16": 2, "fp16": 2, "fp32": 4}
+from ninfer import dtypes
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+                           "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 
 
 class ConfigError(ValueError):
@@ -45,25 +48,50 @@ class ModelConfig:
     def gqa_group(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def is_hybrid(self) -> bool:
+        """Linear-attention (Gated DeltaNet) layers between the full-attention ones (Qwen3.5)."""
+        return self.num_kv_layers < self.num_layers
+
+    def recurrent_state_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        """Per-sequence state of one Gated DeltaNet layer (hybrids; None otherwise): the conv window
+        [K-1, 2 key_dim + value_dim] and the delta-rule state [value_heads, key_head_dim, value_head_dim]."""
+        if not self.is_hybrid or "linear_num_value_heads" not in self.raw:
+            return None
+        r = self.raw
+        hv, dk, dv = int(r["linear_num_value_heads"]), int(r["linear_key_head_dim"]), int(r["linear_value_head_dim"])
+        conv = 2 * int(r["linear_num_key_heads"]) * dk + hv * dv
+        return {"conv": (int(r.get("linear_conv_kernel_dim", 4)) - 1, conv), "ssm": (hv, dk, dv)}
+
     def num_params(self) -> int:
-        """Parameter count from the geometry (embeddings, attention, MLP, norms, lm_head)."""
+        """Parameter count from the geometry (embeddings, attention / GDN, MLP, norms, lm_head)."""
         h, v, i = self.hidden_size, self.vocab_size, self.intermediate_size
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        attn = h * q + 2 * h * kv + q * h
+        gated = self.model_type.startswith("qwen3_5")  # q_proj also yields the output gate
+        attn = h * q * (2 if gated else 1) + 2 * h * kv + q * h
         if self.attention_bias:
-            attn += q + 2 * kv
-        if self.model_type == "qwen3":
+            attn += q * (2 if gated else 1) + 2 * kv
+        if self.model_type == "qwen3" or gated:
             attn += 2 * self.head_dim  # q_norm, k_norm
-        per_layer = attn + 3 * h * i + 2 * h
+        mlp_norms = 3 * h * i + 2 * h
+        total = self.num_kv_layers * (attn + mlp_norms)
+        if self.is_hybrid:
+            r = self.raw
+            hv, kd = int(r.get("linear_num_value_heads", 0)), int(r.get("linear_num_key_heads", 0))
+            dk, dv = int(r.get("linear_key_head_dim", 0)), int(r.get("linear_value_head_dim", 0))
+            conv = 2 * kd * dk + hv * dv
+            gdn = h * (conv + hv * dv + 2 * hv) + conv * int(r.get("linear_conv_kernel_dim", 4)) + 2 * hv + dv
+            gdn += hv * dv * h  # out_proj
+            total += (self.num_layers - self.num_kv_layers) * (gdn + mlp_norms)
         emb = v * h
-        return emb + self.num_layers * per_layer + h + (0 if self.tie_word_embeddings else emb)
+        return emb + total + h + (0 if self.tie_word_embeddings else emb)
 
     def weight_bytes(self, dtype: str | None = None) -> int:
         name = dtype or self.torch_dtype
-        if name not in _DTYPE_BYTES:
+        if name not in dtypes.ALIASES:
             raise ConfigError(f"unknown weights dtype {name!r}; choose one of bf16, fp16, fp32")
-        return self.num_params() * _DTYPE_BYTES[name]
+        return self.num_params() * dtypes.num_bytes(name)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -71,6 +99,22 @@ class ModelConfig:
             if key not in cfg:
                 raise ConfigError(f"config.json lacks required field {key!r}")
             return cfg[key]
+
+        def int(value: Any, key: str = "") -> Any:  # builtins.int, naming the field when the value is bad
+            try:
+                if isinstance(value, (bool, builtins.float)) or (isinstance(value, str) and not value.strip().isdigit()):
+                    raise ValueError
+                return builtins.int(value)
+            except (TypeError, ValueError):
+                what = next((k for k, v in cfg.items() if v is value), key) if not key else key
+                raise ConfigError(f"config.json field {what!r} must be an integer, got {value!r}") from None
+
+        def float(value: Any) -> Any:
+            try:
+                return builtins.float(value)
+            except (TypeError, ValueError):
+                what = next((k for k, v in cfg.items() if v is value), "?")
+                raise ConfigError(f"config.json field {what!r} must be a number, got {value!r}") from None
 
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -128,4 +172,7 @@ class ModelConfig:
             # Multimodal wrappers keep the dtype (and sometimes tying) at the top level only.
             outer = {k: cfg[k] for k in ("torch_dtype", "dtype", "tie_word_embeddings") if k in cfg}
             cfg = {**outer, **cfg["text_config"], "architectures": cfg.get("architectures")}
-        return cls.from_dict(cfg)
+        try:
+            return cls.from_dict(cfg)
+        except ConfigError as e:
+            raise ConfigError(f"{p}: {str(e).removeprefix('config.json ')}") from None

@@ -135,7 +135,7 @@ def test_random_checkpoint_loads_and_matches_transformers(tmp_path: Path) -> Non
     from transformers import AutoModelForCausalLM
 
     from ninfer.models.loader import load_model, load_tokenizer
-    from ninfer.models.random_checkpoint import main, tensor_specs, geometry
+    from ninfer.tools.random_checkpoint import main, tensor_specs, geometry
     from ninfer.attention.reference import ReferenceAttentionBackend
     from ninfer.kvcache.pool import KVCachePool
     from tests.tiny_models import build_metadata

@@ -1,5 +1,5 @@
 """CLI table and engine-flag parsing: vLLM aliases map to the same fields, token counts parse as
-vLLM reads them, and unknown commands fail with exit code 2."""
+binary units whatever the case (4k = 4K = 4096), and unknown commands fail with exit code 2."""
 from __future__ import annotations
 
 import argparse
@@ -10,8 +10,8 @@ from ninfer import cli
 from ninfer.config import EngineConfig, add_engine_args, engine_config_from_args, parse_token_count
 
 
-@pytest.mark.parametrize("text,expected", [("4096", 4096), ("32k", 32000), ("32K", 32768),
-                                           ("1m", 1_000_000), ("1M", 1 << 20), ("1.5k", 1500)])
+@pytest.mark.parametrize("text,expected", [("4096", 4096), ("4k", 4096), ("4K", 4096), ("32k", 32768),
+                                           ("1m", 1 << 20), ("1M", 1 << 20), ("1.5k", 1536), ("1g", 1 << 30)])
 def test_parse_token_count(text, expected):
     assert parse_token_count(text) == expected
 
@@ -46,7 +46,7 @@ def test_defaults():
 
 def test_kv_capacity_and_memory_limit():
     cfg = _parse(["--kv-capacity", "128k", "--memory-limit", "32"])
-    assert cfg.kv_capacity == 128000 and cfg.memory_limit_gib == 32.0
+    assert cfg.kv_capacity == 131072 and cfg.memory_limit_gib == 32.0
     with pytest.raises(SystemExit):
         _parse(["--memory-limit", "-1"])
 
@@ -55,3 +55,38 @@ def test_unknown_command_exit_code(capsys):
     assert cli.main(["no-such-command"]) == 2
     assert "unknown command" in capsys.readouterr().err
     assert cli.main(["bench", "no-such-bench"]) == 2
+
+
+def test_version(capsys):
+    from ninfer import __version__
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"ninfer {__version__}"
+
+
+@pytest.mark.parametrize("command", ["generate", "plan"])
+def test_help_is_whole(command, capsys):
+    """The description is the module's whole first paragraph, and every option says what it does."""
+    import importlib
+    mod = importlib.import_module(cli.COMMANDS[command][0])
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    out = "".join(capsys.readouterr().out.split())  # argparse re-wraps (also at hyphens)
+    text = cli.description(mod.__doc__)
+    assert "".join(text.split()) in out and text.endswith(".")
+    p = argparse.ArgumentParser()
+    mod.add_arguments(p)
+    missing = [a.option_strings or a.dest for a in p._actions if not a.help]
+    assert not missing, missing
+
+
+def test_plan_warns_past_the_model_window(tmp_path, capsys):
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "num_hidden_layers": 2, "intermediate_size": 512, "vocab_size": 1000,
+        "max_position_embeddings": 32768, "torch_dtype": "bfloat16"}))
+    cli.main(["plan", str(tmp_path), "--max-context", "1M", "--kv-dtype", "int8"])
+    err = capsys.readouterr().err
+    assert "warning: max_context=1048576 exceeds the model's 32768 positions" in err
+    cli.main(["plan", str(tmp_path), "--max-context", "32K", "--kv-dtype", "int8"])
+    assert "warning" not in capsys.readouterr().err

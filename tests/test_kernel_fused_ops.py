@@ -5,7 +5,7 @@ Interpreter: every kernel check runs in one child process with ``TRITON_INTERPRE
 (tests/triton_interp.py says why and how).
 
 What a case checks, per output element, in ulps of the output dtype against the torch reference
-(the model's current code: layers.py RMSNorm / GatedMLP, rope.py apply_rotary):
+(the model's current code: ninfer/layers norm.py RMSNorm, mlp.py GatedMLP, rotary.py apply_rotary):
 * exact where the kernel has no freedom: the residual sum, RoPE without the q/k norm (every op
   rounded where torch rounds);
 * elsewhere >= 99% bit-equal (bf16/fp16), <= 2 ulps (one at the rounding after the norm, doubled
@@ -103,7 +103,7 @@ def _run_rms(name, kind, dt, p, seed):
     import torch
 
     from ninfer.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
-    from ninfer.models.layers import RMSNorm
+    from ninfer.layers.norm import RMSNorm
 
     gen = torch.Generator().manual_seed(seed)
     t, n = p["t"], p["n"]
@@ -147,8 +147,8 @@ def _run_qk(name, kind, dt, p, seed):
     import torch
 
     from ninfer.kernels.qk_norm_rope import qk_norm_rope
-    from ninfer.models.layers import RMSNorm
-    from ninfer.models.rope import RotaryEmbedding, apply_rotary
+    from ninfer.layers.norm import RMSNorm
+    from ninfer.layers.rotary import RotaryEmbedding, apply_rotary
 
     gen = torch.Generator().manual_seed(seed)
     t, hq, hkv, d = p["t"], p["hq"], p["hkv"], p["d"]
@@ -185,7 +185,7 @@ def _run_silu(name, kind, dt, p, seed):
     import torch
 
     from ninfer.kernels.silu_mul import silu_mul
-    from ninfer.models.layers import GatedMLP
+    from ninfer.layers.mlp import GatedMLP
 
     gen = torch.Generator().manual_seed(seed)
     t, i = p["t"], p["i"]
@@ -205,8 +205,7 @@ def _tiny_model(arch, dt, seed):
     import torch
 
     from ninfer.model_config import ModelConfig
-    from ninfer.models.decoder import CausalLM
-    from ninfer.models.registry import get_arch_spec
+    from ninfer.models.registry import get_model_class
 
     raw = dict(architectures=["Qwen3ForCausalLM" if arch == "qwen3" else "LlamaForCausalLM"], model_type=arch,
                vocab_size=64, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=3,
@@ -216,7 +215,7 @@ def _tiny_model(arch, dt, seed):
         raw["partial_rotary_factor"] = 0.5
     cfg = ModelConfig.from_dict(raw)
     torch.manual_seed(seed)
-    model = CausalLM(cfg, get_arch_spec(cfg.architecture))
+    model = get_model_class(cfg.architecture)(cfg)
     with torch.no_grad():
         for pname, prm in model.named_parameters():
             if prm.dim() == 1:  # norm weights: away from 1 so a misplaced norm shows
@@ -229,8 +228,8 @@ def _tiny_model(arch, dt, seed):
 def _run_model(name, kind, dt, p, seed):
     import torch
 
-    import ninfer.models.layers as L
     from ninfer.attention.reference import ReferenceAttentionBackend
+    from ninfer.layers import activation, attention, fused, norm
     from ninfer.kvcache.pool import KVCachePool
     from tests.tiny_models import build_metadata
 
@@ -238,7 +237,8 @@ def _run_model(name, kind, dt, p, seed):
     cfg = model.config
     page = 16
     calls = {}
-    orig = {f: getattr(L, f) for f in ("rmsnorm", "fused_add_rmsnorm", "qk_norm_rope", "silu_mul")}
+    owner = {"rmsnorm": norm, "fused_add_rmsnorm": norm, "qk_norm_rope": attention, "silu_mul": activation}
+    orig = {f: getattr(m, f) for f, m in owner.items()}
 
     def counting(fname):
         def f(*a, **kw):
@@ -246,15 +246,15 @@ def _run_model(name, kind, dt, p, seed):
             return orig[fname](*a, **kw)
         return f
 
-    def run(fused):
+    def run(use_fused):
         pool = KVCachePool("auto", cfg.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, 8, page_size=page,
                            model_dtype=model.dtype)
         backend = ReferenceAttentionBackend(pool)
         gen = torch.Generator().manual_seed(seed)
-        saved = L.use_fused_kernels
-        L.use_fused_kernels = (lambda x: True) if fused else saved
+        saved = fused.use_fused_kernels
+        fused.use_fused_kernels = (lambda x: True) if use_fused else saved
         for f in orig:
-            setattr(L, f, counting(f) if fused else orig[f])
+            setattr(owner[f], f, counting(f) if use_fused else orig[f])
         try:
             logits = []
             with torch.no_grad():
@@ -267,9 +267,9 @@ def _run_model(name, kind, dt, p, seed):
                     logits.append(model.compute_logits(model(ids, pos, meta, backend)))
             return torch.cat(logits)
         finally:
-            L.use_fused_kernels = saved
+            fused.use_fused_kernels = saved
             for f in orig:
-                setattr(L, f, orig[f])
+                setattr(owner[f], f, orig[f])
 
     ref = run(False)
     got = run(True)

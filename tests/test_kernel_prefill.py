@@ -38,6 +38,8 @@ for _f in FORMATS:
 CASES.append(("rk4v4-e8-gqa4-d128-batch", "rk4v4-e8", 8, 2, 128, [(130, 7), (0, 1), (63, 2)], 3))
 CASES.append(("rk4v4-e8-gqa8-d64-tiles", "rk4v4-e8", 8, 1, 64, [(0, 40)], 4))
 CASES.append(("int8-gqa4-d64-tiles", "int8", 4, 1, 64, [(10, 40)], 5))
+for _f in FORMATS:
+    CASES.append((f"{_f}-gqa3-d64-prefix", _f, 9, 3, 64, [(70, 12)], 6))
 CASES.append(("rk4v4-gqa6-d256-prefix", "rk4v4", 12, 2, 256, [(100, 5)], 6))
 # explicit tilings (kwargs of paged_prefill_triton): several KV tiles per page, several query tiles
 CASES.append(("rk4v4-e8-gqa6-d128-tiles16", "rk4v4-e8", 6, 1, 128, [(40, 30)], 7,

@@ -34,6 +34,8 @@ for _f in ("int8", "rk4v4", "rk4v4-e8"):
     CASES.append((f"{_f}-ties", _f, "ties", 19, 2, 128, "float32", 3))
 CASES.append(("rk4v4-e8-d256-fp16-odd", "rk4v4-e8", "random", 5, 1, 256, "float16", 11))
 CASES.append(("rk4v4-e8-d64-ties-s2", "rk4v4-e8", "ties", 33, 1, 64, "float32", 12))
+for _f in FORMATS:
+    CASES.append((f"{_f}-d64", _f, "random", 29, 3, 64, "bfloat16", 17))
 CASES.append(("auto-fp32-d80", "auto", "random", 9, 3, 80, "float32", 13))
 # decode-sized steps: the small-tile variants (BT = 2 / 4, one warp)
 for _f in FORMATS:

@@ -174,3 +174,16 @@ def test_rope_overrides_from_engine_config(tiny_model_dir: Path) -> None:
     assert load_model(tiny_model_dir, progress=False, rope_overrides=EngineConfig()).rope_params["rope_type"] == "default"
     with pytest.raises(ValueError, match="yarn_factr"):
         load_model(tiny_model_dir, progress=False, rope_overrides={"yarn_factr": 2.0})
+
+
+def test_runtime_never_imports_the_tools() -> None:
+    """engine, kvcache, attention, models, layers and server load without ninfer.tools (the random
+    checkpoint writer and the probe trainer are offline tools)."""
+    import subprocess
+    import sys
+    code = ("import sys, ninfer.engine.engine, ninfer.server.app, ninfer.models, ninfer.layers.attention, "
+            "ninfer.kvcache.planner; from ninfer.models.registry import ARCHITECTURES, get_model_class; "
+            "[get_model_class(a) for a in ARCHITECTURES]; "
+            "bad = sorted(m for m in sys.modules if m.startswith(('ninfer.tools', 'ninfer.probe'))); print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from ninfer.bench import needle
-from ninfer.probe import data, default_model_dir
+from ninfer.tools.probe import data, default_model_dir
 
 
 def test_score_margin_signs() -> None:

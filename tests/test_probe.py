@@ -9,19 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from ninfer.probe import data, default_model_dir, repo_root
-from ninfer.probe.evaluate import encoder, log_odds, log_odds_from_logprob
+from ninfer.tools.probe import data, default_model_dir, repo_root
+from ninfer.tools.probe.evaluate import encoder, log_odds, log_odds_from_logprob
 
 
 @pytest.fixture(scope="module")
 def tok():
-    from ninfer.probe.tokenizer import build_tokenizer
+    from ninfer.tools.probe.tokenizer import build_tokenizer
     return build_tokenizer()
 
 
 def test_default_model_dir_is_in_repo() -> None:
     assert default_model_dir() == repo_root() / "models" / "probe"
-    assert (repo_root() / "ninfer" / "probe" / "data.py").is_file()
+    assert (repo_root() / "ninfer" / "tools" / "probe" / "data.py").is_file()
 
 
 def test_lexicon_fixed_and_disjoint() -> None:
@@ -60,7 +60,7 @@ def test_prompt_and_answer_tokens(tok) -> None:
     ans = tok.encode(data.answer_text(n.key, n.value)).tokens
     assert ans[4] == "Ġ" + n.key and ans[5] == f"ĠisĠ{n.value[:2]}" and ans[6] == n.value[2:]
     # the chat template renders exactly the same prompt
-    from ninfer.probe.tokenizer import wrap
+    from ninfer.tools.probe.tokenizer import wrap
     user = hay.text + "\n\n" + data.question_text(n.key)
     assert wrap(tok).apply_chat_template([{"role": "user", "content": user}], tokenize=False,
                                          add_generation_prompt=True) == prompt
@@ -83,7 +83,7 @@ def test_log_odds() -> None:
 
 def test_tiny_training_writes_loadable_hf_dir(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from ninfer.probe import train
+    from ninfer.tools.probe import train
     out = tmp_path / "probe"
     assert train.main(["--out", str(out), "--tiny", "--minutes", "0.1", "--device", "cpu",
                        "--eval-lengths", "256", "--eval-docs", "1", "--eval-minutes", "0.5"]) == 0
@@ -120,7 +120,7 @@ def test_bundled_probe_shape_and_files() -> None:
 def test_bundled_probe_retrieves_5_of_5_at_4k() -> None:
     """The shipped model, in fp32 with transformers on CPU: five needles at 10/25/50/75/90% of a
     4K document, each asked on its own, all answered exactly (answer + end token)."""
-    from ninfer.probe.evaluate import eval_document, load
+    from ninfer.tools.probe.evaluate import eval_document, load
     model, tk = load(default_model_dir(), dtype=torch.float32)
     hay = data.bench_haystack(4096, 0, encoder(tk))
     rows = eval_document(model, encoder(tk), hay, "cpu")
@@ -133,7 +133,7 @@ def test_token_bank_documents_equal_tokenized_text(tok, seed: int) -> None:
     answer turn names a needle of its document with that needle's value."""
     import re
     import numpy as np
-    from ninfer.probe.batches import TokenBank
+    from ninfer.tools.probe.batches import TokenBank
     bank = TokenBank(tok, n_sentences=500, seed=seed)
     rng = np.random.default_rng(seed)
     for L, n in ((192, 2), (700, 5)):

@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from ninfer.model_config import ConfigError, ModelConfig
-from ninfer.models.rope import (RotaryEmbedding, apply_rope_overrides, apply_rotary, compute_inv_freq,
+from ninfer.layers.rotary import (RotaryEmbedding, apply_rope_overrides, apply_rotary, compute_inv_freq,
                                 normalize_rope_params, scaled_max_position)
 
 CASES = [

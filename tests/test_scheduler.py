@@ -48,6 +48,9 @@ def test_randomized_pool_never_leaks(seed: int) -> None:
     budget = rng.choice([16, 48, 64, 200])
     bm = BlockManager(num_pages, PAGE, enable_prefix_caching=rng.random() < 0.8)
     sched = Scheduler(bm, max_num_seqs=rng.choice([2, 4, 8]), max_num_batched_tokens=budget)
+    adaptive = seed % 2 == 1          # a budget that moves with (random) step times
+    if adaptive:
+        sched.set_target_step_time(0.1, start_budget=rng.randrange(1, budget + 1))
     max_ctx = num_pages * PAGE // 2
     prefixes = [[rng.randrange(1000) for _ in range(rng.choice([64, 128, 150]))] for _ in range(3)]
     next_id = 0
@@ -66,6 +69,8 @@ def test_randomized_pool_never_leaks(seed: int) -> None:
         batch = sched.schedule()
         seen_preempt += sched.num_preemptions - before
         check_step(sched, bm, batch, budget)
+        if adaptive:
+            sched.observe_step(batch, rng.uniform(0.01, 0.3))
         sampling = [r for i, r in enumerate(batch.requests) if batch.samples(i)]
         sched.after_step(batch)
         for r in sampling:
@@ -138,3 +143,97 @@ def test_engine_abort_returns_pages(tiny_model_dir: Path) -> None:
     s = eng.stats()
     assert s.num_free_pages == s.num_total_pages
     eng.block_manager.check_invariants([])
+
+
+# ------------------------------------------------------------------------------------ policy
+
+
+def _step(sched: Scheduler) -> ScheduledBatch:
+    """One step with every sampling request drawing token 1 (no model)."""
+    batch = sched.schedule()
+    sampling = [r for i, r in enumerate(batch.requests) if batch.samples(i)]
+    sched.after_step(batch)
+    for r in sampling:
+        r.append_token(1, None)
+        if r.num_output_tokens >= r.max_tokens:
+            r.finish("length")
+            sched.finish(r)
+    return batch
+
+
+def test_decodes_first_and_short_prompt_jumps_a_long_prefill() -> None:
+    bm = BlockManager(64, PAGE, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    long = make_request("long", list(range(2000)), 4)
+    sched.add(long)
+    _step(sched)
+    dec = make_request("dec", list(range(5000, 5010)), 50)
+    sched.add(dec)
+    _step(sched)                       # dec prefills (10 tokens) beside the long prompt
+    assert dec.num_output_tokens == 1
+    for k in range(5):                 # dec decodes every step although the long prefill arrived first
+        batch = _step(sched)
+        assert dict(zip((r.request_id for r in batch.requests), batch.num_new_tokens))["dec"] == 1
+        assert batch.total_tokens == 64 and batch.requests[0] is dec
+    short = make_request("short", list(range(7000, 7030)), 3)
+    sched.add(short)
+    batch = _step(sched)               # the short prompt is prefilled whole in the step after it arrives
+    got = dict(zip((r.request_id for r in batch.requests), batch.num_new_tokens))
+    assert got == {"dec": 1, "short": 30, "long": 33} and short.num_output_tokens == 1
+    bm.check_invariants(sched.running)
+
+
+def test_oldest_prefill_keeps_half_the_budget() -> None:
+    bm = BlockManager(200, PAGE, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=64, max_num_batched_tokens=100)
+    long = make_request("long", list(range(3000)), 1)
+    sched.add(long)
+    for k in range(20):                # a short prompt arrives every step: the long one still advances
+        sched.add(make_request(f"s{k}", [k] * 40, 1))
+        before = long.num_computed_tokens
+        _step(sched)
+        assert long.num_computed_tokens - before >= 50
+    bm.check_invariants(sched.running)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prefill_shares_properties(seed: int) -> None:
+    """The split is characterised by: work-conserving, never more than wanted, the oldest keeps
+    half the budget, and beyond that reserve nobody gets a token while a request with fewer tokens
+    left (or as few and older) is still short."""
+    from ninfer.engine.scheduler import prefill_shares
+
+    rng = random.Random(seed)
+    for _ in range(500):
+        wants = [rng.choice([1, 2, 5, 30, 500]) + rng.randrange(20) for _ in range(rng.randrange(1, 7))]
+        budget = rng.randrange(0, 700)
+        got = prefill_shares(wants, budget)
+        assert sum(got) == min(budget, sum(wants)), (wants, budget, got)
+        assert all(0 <= g <= w for g, w in zip(got, wants))
+        reserve = min(wants[0], budget // 2)
+        assert got[0] >= reserve
+        extra = [g - (reserve if i == 0 else 0) for i, g in enumerate(got)]
+        left = [w - (reserve if i == 0 else 0) for i, w in enumerate(wants)]
+        for i in range(len(wants)):
+            for j in range(len(wants)):
+                if (left[i], i) < (left[j], j) and extra[j] > 0:
+                    assert got[i] == wants[i], (wants, budget, got, i, j)
+
+
+def test_budget_follows_step_time() -> None:
+    """A device whose step takes 5 ms + 2 ms per token: the budget settles where a step takes
+    about the 0.25 s target, from above (a 200 s step shrinks it in one go) and from below."""
+    bm = BlockManager(4000, PAGE, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=100_000)
+    sched.add(make_request("long", list(range(200_000)), 1))
+    for start in (100_000, 8):
+        sched.set_target_step_time(0.25, start_budget=start)
+        times = []
+        for _ in range(12):
+            batch = sched.schedule()
+            sched.after_step(batch)
+            times.append(0.005 + 0.002 * batch.total_tokens)
+            sched.observe_step(batch, times[-1])
+        assert all(0.15 <= t <= 0.26 for t in times[-6:]), (start, times)
+    sched.set_target_step_time(None)
+    assert sched.token_budget == 100_000

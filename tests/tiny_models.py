@@ -152,3 +152,67 @@ def build_metadata(query_lens: list[int], seq_lens: list[int], page_size: int = 
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=table,
         max_query_len=max(query_lens), max_seq_len=max(seq_lens), is_decode=all(q == 1 for q in query_lens),
         query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens))
+
+
+def make_hybrid_checkpoint(tmpdir: str | Path, *, hidden: int = 64, layer_types: tuple[str, ...] = ("linear", "full"),
+                           heads: int = 4, kv_heads: int = 2, head_dim: int = 128, linear_k_heads: int = 2,
+                           linear_v_heads: int = 4, linear_k_dim: int = 32, linear_v_dim: int = 32,
+                           conv_kernel: int = 4, partial_rotary: float = 0.25, intermediate: int | None = None,
+                           dtype: str = "float32", seed: int = 0, init_std: float = 0.1, vision: bool = False,
+                           name: str | None = None) -> Path:
+    """A random-weight Qwen3.5 hybrid (`qwen3_5_text`, Qwen3_5ForCausalLM) written by transformers;
+    layer_types: "linear" (Gated DeltaNet) / "full" (gated attention) per layer. vision=True writes
+    the image-text release instead (Qwen3_5ForConditionalGeneration with a one-block vision tower,
+    the text weights under model.language_model.). Norms, biases and dt_bias are perturbed as in
+    make_checkpoint (offset norms around 0, the gated GDN norm around 1); A_log keeps its init."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+
+    kinds = {"linear": "linear_attention", "full": "full_attention"}
+    tokenizer = make_tokenizer()
+    vocab = 8 * math.ceil(len(tokenizer) / 8)
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+           "pad_token_id": tokenizer.pad_token_id}
+    text = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+                num_hidden_layers=len(layer_types), num_attention_heads=heads, num_key_value_heads=kv_heads,
+                head_dim=head_dim, linear_num_key_heads=linear_k_heads, linear_num_value_heads=linear_v_heads,
+                linear_key_head_dim=linear_k_dim, linear_value_head_dim=linear_v_dim,
+                linear_conv_kernel_dim=conv_kernel, layer_types=[kinds[t] for t in layer_types],
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "partial_rotary_factor": partial_rotary},
+                max_position_embeddings=4096, rms_norm_eps=1e-6, initializer_range=init_std, **ids)
+    torch.manual_seed(seed)
+    if vision:
+        cfg = Qwen3_5Config(text_config=text, vision_config=dict(depth=1, hidden_size=32, intermediate_size=64,
+                                                                 num_heads=2, out_hidden_size=hidden))
+        cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
+        model = Qwen3_5ForConditionalGeneration(cfg)
+    else:
+        cfg = Qwen3_5TextConfig(**text)
+        cfg.architectures = ["Qwen3_5ForCausalLM"]
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    cfg.dtype = dtype
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.ndim == 1 and not pname.endswith("A_log"):
+                base = 1.0 if pname.endswith("linear_attn.norm.weight") or pname.endswith("dt_bias") else 0.0
+                p.copy_(base + 0.2 * torch.randn(p.shape, generator=gen))
+    model = model.to(getattr(torch, dtype))
+    tag = "".join(t[0] for t in layer_types)
+    out = Path(tmpdir) / (name or f"qwen3_5-{tag}-h{hidden}-q{heads}-kv{kv_heads}-d{head_dim}{'-vl' if vision else ''}")
+    model.save_pretrained(out, safe_serialization=True)
+    GenerationConfig(**ids).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def use_transformers_torch_gdn() -> None:
+    """Make transformers' Qwen3.5 run its own torch delta rule: with fla-core installed it binds
+    fla's Triton kernels at import, which cannot run on a CPU, and the oracle must be independent
+    of the kernels under test anyway."""
+    import inspect
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        setattr(m, name, inspect.unwrap(getattr(m, name)))

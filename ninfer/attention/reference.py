@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ninfer.attention.base import BaseAttentionBackend, StepMetadata
 
@@ -89,6 +90,12 @@ class ReferenceAttentionBackend(BaseAttentionBackend):
             # query i sits at absolute position seq_len - q_len + i and sees keys 0..that position
             qpos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             kpos = torch.arange(seq_len, device=q.device)
+            if q_len == seq_len and q_len > 1:
+                # A whole-sequence prefill is top-left causal: SDPA's fused kernel skips the masked half.
+                ob = F.scaled_dot_product_attention(qb.reshape(1, hq, q_len, d), kb[None], vb[None],
+                                                    is_causal=True, scale=scale, enable_gqa=True)
+                out[q0:q1] = ob[0].permute(1, 0, 2).to(q.dtype)
+                continue
             rows = max(1, _MAX_SCORE_ELEMS // max(1, hq * seq_len))
             ob = torch.empty(hkv, group, q_len, d, dtype=torch.float32, device=q.device)
             for r0 in range(0, q_len, rows):

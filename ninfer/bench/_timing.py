@@ -194,7 +194,7 @@ def plan_only(cfg: EngineConfig, max_context: int) -> Any:
     from ninfer.kvcache.planner import device_memory, plan_for_engine
     from ninfer.model_config import ModelConfig
     from ninfer.models.loader import resolve_device, resolve_dtype
-    from ninfer.models.rope import apply_rope_overrides
+    from ninfer.layers.rotary import apply_rope_overrides
     mc = apply_rope_overrides(ModelConfig.load(cfg.model or default_model_dir()), cfg.rope_yarn_factor,
                               cfg.rope_original_max_position)
     dev = resolve_device(cfg.device)

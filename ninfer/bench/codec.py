@@ -66,11 +66,11 @@ def runs_data(n: int, seed: int) -> torch.Tensor:
 
 def model_kv(model_dir: str, tokens: int, seed: int) -> dict[str, list[torch.Tensor]]:
     """K (post-RoPE, post k-norm) and V as cached by transformers after one forward pass over a
-    probe-style long document (needles in filler, ninfer.probe.data): per layer [kv_heads, N, head_dim]."""
+    probe-style long document (needles in filler, ninfer.tools.probe.data): per layer [kv_heads, N, head_dim]."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ninfer.probe import data
-    from ninfer.probe.evaluate import encoder
+    from ninfer.tools.probe import data
+    from ninfer.tools.probe.evaluate import encoder
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     cfg = model.config

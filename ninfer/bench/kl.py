@@ -16,6 +16,7 @@ import sys
 import time
 
 import torch
+from tqdm.auto import tqdm
 
 MAX_TOKENS = 16  # the probe's answer is 12-13 tokens incl. the end token
 
@@ -74,12 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from ninfer import LLM
     from ninfer.bench import _timing as T
     from ninfer.bench.needle import build_cases
-    from ninfer.probe import default_model_dir
+    from ninfer.tools.probe import default_model_dir
     model = args.model or str(default_model_dir())
     try:  # bad input fails here, before any model is loaded
         kvs = T.kv_dtypes(args.kv_dtype)
@@ -89,8 +88,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"ninfer bench kl: {e}")
     if not contexts or args.docs < 1:
         raise SystemExit("ninfer bench kl: give at least one context and --docs >= 1")
-    if not (Path(model) / "config.json").is_file():
-        raise SystemExit(f"ninfer bench kl: no config.json in {model}")
+    from ninfer.checkpoints import resolve_model
+    try:
+        model = str(resolve_model(model))
+    except ValueError as e:
+        raise SystemExit(f"ninfer bench kl: {e}")
     t0 = time.time()
     results: dict[str, dict[str, dict]] = {k: {} for k in kvs}
     ref_answers: dict[int, list[str]] = {}
@@ -99,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
         return LLM(model, kv_dtype=kv, device=args.device, max_context=max(contexts) + MAX_TOKENS,
                    enable_prefix_caching=False)
 
+    bar = tqdm(total=(1 + len(kvs)) * len(contexts), desc="kl", unit="run", dynamic_ncols=True)
+    bar.set_postfix_str(f"{args.reference} (reference)")
     llm = engine(args.reference)
     tok = llm.engine.tokenizer
     cases = {c: build_cases(tok, c, args.docs, args.seed) for c in contexts}
@@ -106,13 +110,17 @@ def run(args: argparse.Namespace) -> int:
     for c in contexts:
         ref[c] = teacher_forced(llm, [x["prompt"] for x in cases[c]], MAX_TOKENS, None)
         ref_answers[c] = [tok.decode(t) for t in ref[c][0]]
+        bar.update(1)
     del llm
     for kv in kvs:
+        bar.set_postfix_str(kv)
         llm = engine(kv)
         for c in contexts:
             _, logits = teacher_forced(llm, [x["prompt"] for x in cases[c]], MAX_TOKENS, ref[c][0])
             results[kv][str(c)] = compare(ref[c][1], logits)
+            bar.update(1)
         del llm
+    bar.close()
     lines = [f"next-token KL vs {args.reference} KV, teacher-forced along its greedy answers "
              f"({MAX_TOKENS} tokens x {5 * args.docs} questions per context)",
              "| kv-dtype | context | mean KL (nats) | max KL | top-1 agreement |", "|---|---|---|---|---|"]

@@ -1,6 +1,6 @@
 """Needle-in-a-haystack grid per kv-dtype x context x depth (DESIGN §7).
 
-Five needles at 10/25/50/75/90% depth in one document (ninfer.probe.data), the question asked at
+Five needles at 10/25/50/75/90% depth in one document (ninfer.tools.probe.data), the question asked at
 the very end, each needle asked and scored on its own: five requests per context, greedy, prefix
 reuse off. A needle passes when the output is exactly the answer sentence "The secret code for
 <key> is <value>." and finish_reason == "stop".
@@ -19,10 +19,11 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
-from ninfer.config import parse_token_count
-from ninfer.probe import data, default_model_dir
-from ninfer.probe.evaluate import encoder, log_odds_from_logprob
+from ninfer.config import PAGE_SIZE, parse_token_count
+from ninfer.tools.probe import data, default_model_dir
+from ninfer.tools.probe.evaluate import encoder, log_odds_from_logprob
 
 MAX_TOKENS = 16
 
@@ -82,25 +83,39 @@ def _finish(case: dict, text: str, finish: str | None, out_ids, logprobs, prompt
 
 
 def run_inprocess(model_dir: str, kv_dtype: str, contexts: list[int], docs: int, seed: int, device: str,
-                  prefix_reuse: bool = False) -> list[dict]:
+                  prefix_reuse: bool | None = None, bar: Any = None) -> list[dict]:
     """DESIGN §7: prefix reuse off (every question prefills its whole document). With
-    `prefix_reuse` (CI on CPU, where each 4K prefill costs seconds) each document's first question
-    runs alone, so its pages are cached, and the other four reuse them: the scores are the same,
-    since cached pages hold exactly the K/V (in the stored format) a recomputation would store."""
+    `prefix_reuse` (the default on CPU, where each 4K prefill costs seconds) each document's first
+    question runs alone, so its pages are cached, and the other four reuse them: the scores are the
+    same, since cached pages hold exactly the K/V (in the stored format) a recomputation would store.
+    `bar` (a tqdm) advances by one per answered question."""
     from ninfer import LLM, SamplingParams
+    from ninfer.engine.cpu import resolve_device
+    if prefix_reuse is None:
+        prefix_reuse = resolve_device(device).type == "cpu"
+    per_doc = len(data.BENCH_DEPTHS)
+    # The pool holds what runs at once: one document's questions (at most `per_doc` sequences).
     llm = LLM(model_dir, kv_dtype=kv_dtype, device=device, max_context=max(contexts),
-              enable_prefix_caching=prefix_reuse)
-    tok = llm.get_tokenizer() if hasattr(llm, "get_tokenizer") else llm.tokenizer
+              enable_prefix_caching=prefix_reuse, max_num_seqs=per_doc,
+              kv_capacity=-(-max(contexts) // PAGE_SIZE) * PAGE_SIZE * per_doc)
+    tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
     rows = []
+
+    def generate(prompts: list[str]) -> list:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        if bar is not None:
+            bar.update(len(outs))
+        return outs
+
     for ctx in contexts:
+        if bar is not None:
+            bar.set_postfix_str(f"{kv_dtype} {ctx} tokens", refresh=True)
         cases = build_cases(tok, ctx, docs, seed)
         outs = []
-        for d in range(docs) if prefix_reuse else ():
+        for d in range(docs):
             doc = [c["prompt"] for c in cases if c["doc"] == d]
-            outs += llm.generate(doc[:1], params, use_tqdm=False) + llm.generate(doc[1:], params, use_tqdm=False)
-        if not prefix_reuse:
-            outs = llm.generate([c["prompt"] for c in cases], params, use_tqdm=False)
+            outs += generate(doc[:1]) + generate(doc[1:]) if prefix_reuse else generate(doc)
         for c, o in zip(cases, outs):
             rows.append(_finish(c, o.text, o.finish_reason, list(o.token_ids), o.logprobs,
                                 len(o.prompt_token_ids), getattr(o, "num_cached_tokens", None)))
@@ -179,8 +194,11 @@ def run(args: argparse.Namespace) -> int:
         results["server"] = run_server(args.server, model_dir, contexts, args.docs, args.seed, args.chat,
                                        args.served_model)
     else:
-        for kv in kvs:
-            results[kv] = run_inprocess(model_dir, kv, contexts, args.docs, args.seed, args.device)
+        from tqdm.auto import tqdm
+        with tqdm(total=len(kvs) * len(contexts) * args.docs * len(data.BENCH_DEPTHS), desc="needle",
+                  unit="question", dynamic_ncols=True) as bar:
+            for kv in kvs:
+                results[kv] = run_inprocess(model_dir, kv, contexts, args.docs, args.seed, args.device, bar=bar)
     print(table(results))
     n = sum(len(v) for v in results.values())
     passed = sum(r["passed"] for v in results.values() for r in v)

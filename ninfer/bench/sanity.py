@@ -13,8 +13,8 @@ import random
 import time
 from pathlib import Path
 
-from ninfer.probe import data, default_model_dir
-from ninfer.probe.evaluate import encoder
+from ninfer.tools.probe import data, default_model_dir
+from ninfer.tools.probe.evaluate import encoder
 
 MAX_TOKENS = 48
 CHAT_PROMPTS = [

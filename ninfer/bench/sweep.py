@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     b.add_argument("--time-budget", type=float, default=None, metavar="S",
                    help="seconds per kv-dtype; skip contexts predicted to overrun it")
     b.add_argument("--plot", default=None, metavar="PNG", help="write a plot of tok/s vs context")
+    b.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
+                   help="run nothing: draw --plot from these sweep JSON files (one run or one per kv-dtype)")
 
 
 def contexts_for(args: argparse.Namespace, largest: int) -> list[int]:
@@ -143,7 +145,33 @@ def plot(results: dict[str, dict[str, Any]], path: str, title: str) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
+def plot_from_json(paths: list[str], png: str) -> dict[str, dict[str, Any]]:
+    """Redraw the plot of earlier runs: their kv-dtypes merged in order, titled from the first run."""
+    import json
+    results: dict[str, dict[str, Any]] = {}
+    runs = []
+    for path in paths:
+        try:
+            run_ = json.loads(Path(path).read_text())
+            results.update(run_["results"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"--from-json {path}: not a sweep JSON ({type(e).__name__}: {e})")
+        runs.append(run_)
+    first, env = runs[0], runs[0].get("env", {})
+    limit = first.get("settings", {}).get("memory_limit_gib")
+    name = Path(first.get("model") or "probe").name
+    plot(results, png, f"{name}, {f'--memory-limit {limit:g} GiB' if limit else 'whole device'}, "
+                       f"gen {first.get('settings', {}).get('gen_tokens')}, {env.get('gpu') or 'cpu'}, "
+                       f"{str(env.get('date_utc', ''))[:10]}")
+    return results
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.from_json:
+        if not args.plot:
+            raise SystemExit("--from-json needs --plot PNG")
+        plot_from_json(args.from_json, args.plot)
+        return 0
     kvs = T.kv_dtypes(args.kv_dtype)
     results: dict[str, dict[str, Any]] = {}
     errors: list[str] = []

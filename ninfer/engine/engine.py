@@ -10,30 +10,34 @@ from __future__ import annotations
 import json
 import logging
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from ninfer.config import PAGE_SIZE, EngineConfig
+from ninfer.config import DEFAULT_MODEL_DIR, PAGE_SIZE, EngineConfig
 from ninfer.engine.detokenizer import IncrementalDetokenizer
 from ninfer.engine.model_runner import ModelRunner
 from ninfer.engine.request import Request, RequestOutput
 from ninfer.engine.sampling import SampleRow, SamplingParams, sample
 from ninfer.engine.scheduler import Scheduler
 from ninfer.attention.selector import select_backend
+from ninfer.engine.structured import BitmaskFiller, GrammarCache, GrammarState
 from ninfer.kvcache.block_manager import BlockManager
 from ninfer.kvcache.formats import KVFormat, get_format
 from ninfer.kvcache.planner import MemoryPlan, device_memory, plan_for_engine
 from ninfer.kvcache.pool import KVCachePool
 from ninfer.kvcache.spec import CacheSpec
 from ninfer.model_config import ModelConfig
-from ninfer.models.loader import load_model, load_tokenizer, resolve_device, resolve_dtype
-from ninfer.models.rope import apply_rope_overrides, scaled_max_position
+from ninfer.engine import cpu
+from ninfer.models.loader import load_model, load_tokenizer, resolve_dtype
+from ninfer.layers.rotary import apply_rope_overrides, scaled_max_position
 
 log = logging.getLogger("ninfer.engine")
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+CPU_AUTO_SEQS = 4  # --kv-capacity auto on CPU: room for max_context x min(max_num_seqs, this)
 
 
 @dataclass
@@ -53,12 +57,8 @@ class EngineStats:
 
 
 def default_model_dir() -> Path:
-    """The bundled probe model (ninfer.probe.default_model_dir when that exists)."""
-    try:
-        from ninfer.probe import default_model_dir as probe_dir  # type: ignore[attr-defined]
-        return Path(probe_dir())
-    except (ImportError, AttributeError):
-        return Path(__file__).resolve().parents[2] / "models" / "probe"
+    """The bundled probe model."""
+    return DEFAULT_MODEL_DIR
 
 
 def _eos_token_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
@@ -78,27 +78,52 @@ def _eos_token_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
+def _tokenizer(model_dir: Path) -> Any:
+    """The checkpoint's tokenizer, or None when it ships no tokenizer files at all (as vLLM's
+    skip_tokenizer_init: prompts must then be token ids and outputs carry ids, no text)."""
+    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+        log.warning("no tokenizer files in %s: prompts must be token ids, and outputs have no text", model_dir)
+        return None
+    try:
+        return load_tokenizer(model_dir)
+    except ValueError as e:  # keep the first line: transformers' own text runs on for several
+        raise ValueError(str(e).strip().splitlines()[0].rstrip(": ")) from None
+
+
 def declared_cache_spec(mc: ModelConfig, fmt: KVFormat) -> CacheSpec:
     """The model's cache spec before any weight exists: from an instance on the meta device."""
-    from ninfer.models.decoder import CausalLM
-    from ninfer.models.registry import get_arch_spec
+    from ninfer.models.registry import get_model_class
     with torch.device("meta"):
-        model = CausalLM(mc, get_arch_spec(mc.architecture))
+        model = get_model_class(mc.architecture)(mc)
     return model.cache_specs(fmt)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, progress: bool = True) -> None:
         self.config = config
-        self.model_dir = Path(config.model) if config.model else default_model_dir()
-        if not config.model and not (self.model_dir / "config.json").is_file():
-            raise ValueError(f"no model given and the bundled probe model is missing at {self.model_dir}; "
-                             "pass a model directory (an HF checkpoint with config.json)")
         self.kv_format = get_format(config.kv_dtype)        # unknown / refused names fail first
+        self.device = cpu.resolve_device(config.device)
+        if config.model:
+            from ninfer.checkpoints import resolve_model
+            self.model_dir = resolve_model(config.model, progress=progress)
+        else:
+            self.model_dir = default_model_dir()
+            if not (self.model_dir / "config.json").is_file():
+                raise ValueError(f"no model given and the bundled probe model is missing at {self.model_dir}; "
+                                 "pass a model directory (an HF checkpoint with config.json)")
         mc = apply_rope_overrides(ModelConfig.load(self.model_dir), config.rope_yarn_factor,
                                   config.rope_original_max_position)
-        self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, mc)
+        host = ""
+        if self.device.type == "cpu":
+            why = _DTYPE_NAMES.get(self.dtype, str(self.dtype))
+            if config.dtype == "auto":
+                self.dtype, why = cpu.compute_dtype(self.dtype)
+            threads, src = cpu.configure_threads(config.threads)
+            host = f" dtype={why} threads={threads} ({src})"
         model_limit = scaled_max_position(mc)
         self.max_context = int(config.max_context or model_limit)
         if self.max_context > model_limit:
@@ -111,13 +136,23 @@ class LLMEngine:
         plan_cfg = config.replace(dtype=_DTYPE_NAMES[self.dtype])
         self.plan: MemoryPlan = plan_for_engine(mc, plan_cfg, mem, self.device.type, max_context=self.max_context,
                                                 cache_spec=self.cache_spec)
+        if self.device.type == "cpu" and config.kv_capacity == "auto":
+            # A CPU run holds a few requests, not a GPU's worth: size the pool for what is asked.
+            pages = -(-self.max_context // PAGE_SIZE) * min(config.max_num_seqs, CPU_AUTO_SEQS)
+            if pages < self.plan.num_pages:
+                self.plan = plan_for_engine(mc, plan_cfg.replace(kv_capacity=pages * PAGE_SIZE), mem, "cpu",
+                                            max_context=self.max_context, cache_spec=self.cache_spec)
 
         rope = {"rope_yarn_factor": config.rope_yarn_factor,
                 "rope_original_max_position": config.rope_original_max_position}
         self.model = load_model(self.model_dir, self.dtype, self.device, rope, progress=progress)
         self.model_config: ModelConfig = self.model.config
-        self.tokenizer = load_tokenizer(self.model_dir)
+        self.tokenizer = _tokenizer(self.model_dir)
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
+        # Structured output: compiled grammars by spec (thread-safe: the server compiles ahead) and
+        # the step's bitmask buffer. Nothing of xgrammar loads until a constrained request comes.
+        self.grammars = GrammarCache(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
+        self._bitmasks = BitmaskFiller(self.model.config.vocab_size)
 
         if self.model.cache_specs(self.kv_format) != self.cache_spec:
             raise RuntimeError("the loaded model declares another cache spec than the one planned")
@@ -149,7 +184,8 @@ class LLMEngine:
                                          f"max_context={self.max_context} max_num_seqs={config.max_num_seqs} "
                                          f"max_num_batched_tokens={config.max_num_batched_tokens} "
                                          f"prefix_reuse={int(self.prefix_caching)} "
-                                         f"cuda_graphs={int(self.runner.forward_fn != self.runner.eager_forward)}"]
+                                         f"cuda_graphs={int(self.runner.forward_fn != self.runner.eager_forward)}"
+                                         + host]
         if recurrent and config.enable_prefix_caching:
             self.startup_lines.append("prefix reuse: off (the model has recurrent layers: a reused KV page would "
                                       "need the recurrent state at its end, which is not kept)")
@@ -180,6 +216,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
         params = params if params is not None else SamplingParams()
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"a text prompt needs a tokenizer, and {self.model_dir} has no tokenizer files; "
+                                 "pass token ids, or copy the model's tokenizer files into that directory")
             text: str | None = prompt
             ids = list(self.tokenizer.encode(prompt))
         else:
@@ -200,15 +239,20 @@ class LLMEngine:
         if not params.greedy:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed if params.seed is not None else self._seed_rng.getrandbits(63))
-        detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
-                                       stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+        detok = None if self.tokenizer is None else IncrementalDetokenizer(
+            self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output)
         req = Request(request_id, ids, params, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
                       generator=gen, detokenizer=detok, prompt=text)
+        if params.structured is not None:   # compiled already when the server sent it (a cache hit)
+            req.grammar = GrammarState(self.grammars.compile(params.structured))
         self.scheduler.add(req)
 
-    def abort_request(self, request_id: str) -> None:
-        """Drop a request (unknown or finished ids are ignored); its pages return at once."""
-        self.scheduler.abort(request_id)
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Drop a request (unknown or finished ids are ignored: None); its pages return at once.
+        Returns its final output (finish_reason "abort"), for a caller that still has a reader."""
+        req = self.scheduler.abort(request_id)
+        return req.make_output() if req is not None else None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -222,6 +266,7 @@ class LLMEngine:
         if not batch.requests:
             return []
         self.num_steps += 1
+        t0 = time.perf_counter()
         try:
             idx, logits = self.runner.execute(batch)
         except ValueError as e:
@@ -229,12 +274,16 @@ class LLMEngine:
             return self._fail_batch(batch.requests, f"step failed: {e}")
         self.scheduler.after_step(batch)
         if logits is None:
+            self.scheduler.observe_step(batch, time.perf_counter() - t0)
             return []
         reqs = [batch.requests[i] for i in idx]
         with torch.inference_mode():  # logits are inference tensors; a hook may edit them in place
             if self.logits_hook is not None:
                 self.logits_hook(reqs, logits)
-            result = sample(logits, [self._sample_row(r) for r in reqs])
+            constrained = [j for j, r in enumerate(reqs) if r.grammar is not None]
+            mask = self._bitmasks.fill([reqs[j].grammar for j in constrained]) if constrained else None
+            result = sample(logits, [self._sample_row(r) for r in reqs], mask, constrained)
+        self.scheduler.observe_step(batch, time.perf_counter() - t0)
         outputs: list[RequestOutput] = []
         bad = set(result.bad_rows)
         for j, req in enumerate(reqs):
@@ -246,8 +295,14 @@ class LLMEngine:
                 if req.num_output_tokens == 0:
                     self.prompt_tokens_total += req.num_prompt_tokens
                 self.generation_tokens_total += 1
-                req.append_token(result.token_ids[j], result.logprobs[j])
-                self._check_stop(req, result.token_ids[j])
+                req.append_token(result.token_ids[j], result.logprobs[j],
+                                 result.top_logprobs[j] if result.top_logprobs else None)
+                if req.grammar is not None and not req.grammar.accept(result.token_ids[j]):
+                    req.finish("error", error=f"token {result.token_ids[j]} rejected by the grammar of {req.request_id}")
+                else:
+                    self._check_stop(req, result.token_ids[j])
+                    if req.grammar is not None and req.grammar.terminated and not req.is_finished:
+                        req.finish("stop")   # the grammar ended with its stop token (ignore_eos)
             outputs.append(req.make_output())
             if req.is_finished:
                 self.scheduler.finish(req)
@@ -265,7 +320,7 @@ class LLMEngine:
     def _sample_row(self, req: Request) -> SampleRow:
         p = req.params
         banned: list[int] = []
-        if req.num_output_tokens < p.min_tokens:
+        if req.num_output_tokens < p.min_tokens and req.grammar is None:   # a grammar decides its own end
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(req.eos_token_ids))
         # Only the penalties read the output ids: skip copying them (O(output) per step) otherwise.
         return SampleRow(p, req.generator, req.prompt_token_ids, req.output_token_ids if p.penalized else [], banned)

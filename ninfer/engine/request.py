@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,6 +41,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output, what the cache must hold
         self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []   # when params.logprobs > 0
         self.num_computed_tokens = 0          # tokens whose K/V are in the cache
         self.prefix_hit_tokens = 0            # prompt tokens served by the prefix cache at first admission
         # BlockManager's Sequence protocol: it owns and rewrites these two
@@ -51,6 +53,7 @@ class Request:
         self.error: str | None = None
         self.first_token_time: float | None = None
         self._sent_tokens = 0                 # output tokens already reported in a RequestOutput
+        self.grammar: Any = None              # GrammarState (ninfer.engine.structured) of a constrained request
 
     # -- sizes -------------------------------------------------------------------------------
     @property
@@ -78,10 +81,13 @@ class Request:
         return self.request_id
 
     # -- state changes --------------------------------------------------------------------------
-    def append_token(self, token_id: int, logprob: float | None) -> None:
+    def append_token(self, token_id: int, logprob: float | None,
+                     top_logprobs: list[tuple[int, float]] | None = None) -> None:
         self.token_ids.append(int(token_id))
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if top_logprobs is not None:
+            self.output_top_logprobs.append(top_logprobs)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
 
@@ -104,6 +110,7 @@ class Request:
             finished=finished, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
             num_cached_tokens=self.prefix_hit_tokens,
             logprobs=list(self.output_logprobs) if self.params.logprobs is not None else None,
+            top_logprobs=list(self.output_top_logprobs) if self.params.logprobs else None,
             error=self.error,
         )
 
@@ -135,6 +142,7 @@ class RequestOutput:
     finish_reason: str | None             # "stop" | "length" | "abort" | "error" | None
     num_cached_tokens: int = 0
     logprobs: list[float] | None = None   # chosen-token logprob per generated token, on request
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: the N likeliest (id, logprob)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     error: str | None = None              # set when finish_reason == "error"
     prompt: str | None = None

@@ -9,6 +9,7 @@ distribution (before penalties and temperature), as vLLM reports them by default
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,10 +30,11 @@ class SamplingParams:
     stop: list[str] | str | None = field(default_factory=list)
     stop_token_ids: list[int] | None = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None          # not None = return the chosen token's logprob per step
+    logprobs: int | None = None          # not None = the chosen token's logprob per step, and the top N
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     min_tokens: int = 0                  # EOS / stop tokens are masked until this many tokens exist
+    structured: Any = None               # a ninfer.engine.structured.StructuredSpec: grammar-constrained output
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,6 +77,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if self.structured is not None and not hasattr(self.structured, "kind"):
+            raise ValueError(f"structured must be a StructuredSpec, got {self.structured!r}")
 
     @property
     def greedy(self) -> bool:
@@ -101,6 +105,7 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float | None]
     bad_rows: list[int]                  # rows whose logits held NaN/Inf: nothing sampled for them
+    top_logprobs: list[list[tuple[int, float]] | None] | None = None  # per row: the N likeliest (id, logprob)
 
 
 def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
@@ -144,8 +149,13 @@ def _needs_penalties(row: SampleRow) -> bool:
     return row.params.penalized or bool(row.banned_token_ids)
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+def sample(logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | None = None,
+           bitmask_rows: list[int] | None = None) -> SampleResult:
     """logits [N, V] float32, one row per entry of `rows` -> one token id per row.
+
+    `bitmask` (int32 [len(bitmask_rows), ceil(V/32)], from ninfer.engine.structured) constrains the
+    rows `bitmask_rows` to a grammar: a 0 bit sets that token's logit to -inf before anything else.
+    A batch without constrained rows passes None and pays nothing.
 
     Greedy rows without penalties take one batched argmax; the others are drawn row by row with
     their own generator. Everything stays on the logits' device until one final host copy (no
@@ -153,7 +163,10 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
     n = len(rows)
     logits = logits.float()
-    finite = torch.isfinite(logits).all(dim=-1)
+    finite = torch.isfinite(logits).all(dim=-1)   # before the mask: its -inf are not garbage
+    if bitmask is not None:
+        from ninfer.engine.structured import apply_bitmask
+        apply_bitmask(logits, bitmask, bitmask_rows or [])
     penalized = [i for i, r in enumerate(rows) if _needs_penalties(r)]
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     x = logits
@@ -175,9 +188,13 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
                 probs = _filter_probs(x[i], r.params)
                 tokens[i] = torch.multinomial(probs, 1, generator=r.generator)[0]
     want_lp = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    lp = None
+    lp = top = None
+    top_n = max((rows[i].params.logprobs or 0) for i in want_lp) if want_lp else 0
     if want_lp:
-        lp = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+        logp = torch.log_softmax(logits, dim=-1)
+        lp = logp.gather(1, tokens[:, None])[:, 0]
+        if top_n:   # alternatives only when asked for: an extra host copy
+            top = logp.topk(min(top_n, logp.shape[-1]), dim=-1)
     # One device->host copy (the step's only sync); stack promotes in its own kernel (to int64, or
     # to float64 with logprobs: exact for any token id).
     host = torch.stack([tokens, finite] + ([lp.double()] if lp is not None else [])).cpu()
@@ -189,4 +206,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     bad = [i for i in range(n) if not ok[i]]
     for i in bad:
         token_ids[i] = -1
-    return SampleResult(token_ids, logprobs, bad)
+    tops = None
+    if top is not None:
+        vals, ids = top.values.double().cpu().tolist(), top.indices.cpu().tolist()
+        tops = [list(zip(ids[i][:k], vals[i][:k])) if (k := rows[i].params.logprobs or 0) and ok[i] else None
+                for i in range(n)]
+    return SampleResult(token_ids, logprobs, bad, tops)

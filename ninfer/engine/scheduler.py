@@ -1,10 +1,20 @@
-"""Continuous batching under a token budget (vLLM v1's policy, simplified).
+"""Continuous batching under a token budget (vLLM v1's chunked-prefill policy, with fairer prefills).
 
-Each step spends at most `max_num_batched_tokens` new tokens. Running requests go first, in
-arrival order: a decoding request takes one token, a request still prefilling takes the next
-chunk of its prompt (chunked prefill applies to every request, not only the first). Waiting
-requests are admitted after that, while budget, `max_num_seqs` and free pages last; a newly
-admitted request first takes whatever full pages of its prompt the prefix cache already holds.
+Each step spends at most `token_budget` new tokens (<= `max_num_batched_tokens`). Decodes go
+first: every running request that has a token to sample takes its one token, in arrival order, so
+a long prefill never delays them by more than one step. Prefills share what is left: running
+requests still prefilling, then waiting requests admitted while `max_num_seqs`, the budget and free
+pages last (a newly admitted request first takes whatever full pages of its prompt the prefix cache
+already holds). Among prefills the one with the fewest tokens left goes first (a short prompt
+arriving during a long one gets its first token next step), except that the oldest prefill always
+keeps half the prefill budget, so a stream of short prompts cannot starve a long one; equal long
+prompts run first come, first served.
+
+`token_budget` is fixed at `max_num_batched_tokens` unless a target step time is set
+(`set_target_step_time`, the server does it on CPU): then it follows the measured step time, so a
+long prompt is cut into steps of about that length and a newcomer or an abort waits at most one of
+them, however slow the device or long the context.
+
 When a running request needs a page and none is free, the most recently arrived running request
 is preempted by recompute: its pages go back, its generated tokens stay, and it returns to the
 front of the waiting queue to prefill prompt + output again. No waiting request is admitted in a
@@ -22,6 +32,9 @@ from ninfer.engine.request import Request, RequestStatus
 from ninfer.kvcache.block_manager import BlockManager
 
 
+MIN_PREFILL_TOKENS = 16      # a prefill advances at least this much per step, whatever the timing
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -29,12 +42,38 @@ class Scheduler:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.token_budget = max_num_batched_tokens
+        self.target_step_s: float | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.prefix_queries = 0          # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0             # of those, tokens served from it
+
+    # -- step-time control ----------------------------------------------------------------------
+    def set_target_step_time(self, seconds: float | None, start_budget: int = 256) -> None:
+        """Adapt `token_budget` so that steps with prefill work take about `seconds` (None: fixed)."""
+        if seconds is not None and not seconds > 0:
+            raise ValueError(f"target step time must be > 0 seconds, got {seconds}")
+        self.target_step_s = seconds
+        self.token_budget = self.max_num_batched_tokens if seconds is None else \
+            max(1, min(self.max_num_batched_tokens, start_budget))
+
+    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
+        """Feed back how long `batch` took. Only steps that prefilled teach anything: a slow step
+        shrinks the budget in proportion; a fast one grows it (at most 2x) if the budget bound it."""
+        target = self.target_step_s
+        if target is None or seconds <= 0 or batch.is_decode:
+            return
+        tokens = batch.total_tokens
+        if seconds > target:
+            budget = int(tokens * target / seconds)
+        elif tokens >= self.token_budget:
+            budget = int(self.token_budget * min(2.0, target / seconds))
+        else:
+            return
+        self.token_budget = max(1, min(self.max_num_batched_tokens, budget))
 
     # -- queue management -----------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -78,15 +117,19 @@ class Scheduler:
 
     # -- the step -------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
-        budget = self.max_num_batched_tokens
+        cap = self.max_num_batched_tokens
         reqs: list[Request] = []
         counts: list[int] = []
+        prefills: list[Request] = []     # running requests still prefilling, then admitted ones
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running):
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = req.num_tokens - req.num_computed_tokens
             assert n > 0, f"running request {req.request_id} has nothing to compute"
+            if n == 1 and len(reqs) >= cap:   # more decodes than the hard cap: the rest wait a step
+                i += 1
+                continue
             while not self.bm.may_append(req):
                 preempted = True
                 victim = self.running[-1]
@@ -95,18 +138,23 @@ class Scheduler:
                     break
             else:
                 self.bm.append_slot(req)
-                reqs.append(req)
-                counts.append(n)
-                budget -= n
+                if n == 1:
+                    reqs.append(req)
+                    counts.append(1)
+                else:
+                    prefills.append(req)
                 i += 1
                 continue
             break  # req itself was preempted: it was the last running request
+        budget = min(cap - len(reqs), max(self.token_budget - len(reqs), MIN_PREFILL_TOKENS))
+        wants = [r.num_tokens - r.num_computed_tokens for r in prefills]
         if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            while self.waiting and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
-                # Pages for every token the request has (prompt, plus output after a preemption)
-                # are taken at admission, so a long prefill cannot stall halfway for lack of pages.
-                if not self.bm.can_allocate(req):
+                # Admit only what gets tokens this step (pages are held from admission on). Pages
+                # for every token the request has (prompt, plus output after a preemption) are
+                # taken at admission, so a long prefill cannot stall halfway for lack of pages.
+                if not prefill_shares(wants + [req.num_tokens], budget)[-1] or not self.bm.can_allocate(req):
                     break
                 cached = self.bm.allocate(req)
                 if req.num_preemptions == 0:
@@ -114,13 +162,15 @@ class Scheduler:
                     self.prefix_queries += req.num_prompt_tokens
                     self.prefix_hits += cached
                 req.num_computed_tokens = cached
-                n = min(req.num_tokens - cached, budget)
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
+                prefills.append(req)
+                wants.append(req.num_tokens - cached)
+        for req, n in zip(prefills, prefill_shares(wants, budget)):
+            if n:
                 reqs.append(req)
                 counts.append(n)
-                budget -= n
         return ScheduledBatch(reqs, counts)
 
     def after_step(self, batch: ScheduledBatch) -> None:
@@ -128,3 +178,18 @@ class Scheduler:
         for req, n in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += n
             self.bm.mark_computed(req, req.num_computed_tokens)
+
+
+def prefill_shares(wants: list[int], budget: int) -> list[int]:
+    """Tokens for each prefill (`wants` in arrival order): the oldest keeps half the budget, then the
+    fewest-remaining go first (ties by arrival). Never more than wanted, never more than `budget`."""
+    shares = [0] * len(wants)
+    if not wants or budget <= 0:
+        return shares
+    shares[0] = min(wants[0], budget // 2)
+    left = budget - shares[0]
+    for i in sorted(range(len(wants)), key=lambda i: (wants[i] - shares[i], i)):
+        extra = min(wants[i] - shares[i], left)
+        shares[i] += extra
+        left -= extra
+    return shares

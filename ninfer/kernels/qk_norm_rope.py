@@ -8,7 +8,7 @@ of two RMSNorms and two ``apply_rotary`` calls.
 
 Numerics, element d of a head (R = rotary dim <= D, half = R/2, p = the rotate-half partner of d):
 the norm as ``rmsnorm.py`` (same rounding points, same caveat on the mean's summation order);
-then, as ``ninfer/models/rope.py`` ``apply_rotary`` in the dtype of x, each op rounded like torch:
+then, as ``ninfer/layers/rotary.py`` ``apply_rotary`` in the dtype of x, each op rounded like torch:
     c, s = cos/sin[t, d] rounded to x.dtype
     out  = rnd(rnd(x[d] * c) + rnd(sign(d) * x[p] * s))     sign = -1 for d < half, +1 otherwise
 and x[d] unchanged for d >= R. Products of two <=16-bit floats are exact in float32 and
@@ -124,8 +124,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
 def qk_norm_rope_ref(q, k, cos, sin, q_weight=None, k_weight=None, eps=1e-6):
     """The model's torch path: q_norm/k_norm (when given), then ``apply_rotary`` (imported here:
-    ninfer.models imports this module)."""
-    from ninfer.models.rope import apply_rotary
+    ninfer.layers imports this module)."""
+    from ninfer.layers.rotary import apply_rotary
     if q_weight is not None:
         q, k = rmsnorm_ref(q, q_weight, eps), rmsnorm_ref(k, k_weight, eps)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

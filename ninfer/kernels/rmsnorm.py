@@ -1,6 +1,6 @@
 """RMSNorm and fused residual-add + RMSNorm: one Triton program per row, and their torch references.
 
-Numerics follow ``ninfer/models/layers.py`` RMSNorm (transformers' order), op by op, every value
+Numerics follow ``ninfer/layers/norm.py`` RMSNorm (transformers' order), op by op, every value
 held in float32 and rounded to the tensor dtype exactly where a torch op in that dtype rounds:
 
     s   = residual + x                  (fused variant; rounded to x.dtype, as torch's bf16 add)
@@ -149,7 +149,7 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The model's RMSNorm (ninfer/models/layers.py), verbatim."""
+    """The model's RMSNorm (ninfer/layers/norm.py), verbatim."""
     dtype = x.dtype
     xf = x.to(torch.float32)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

@@ -56,6 +56,6 @@ def silu_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> torch
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
-    """The model's torch path (ninfer/models/layers.py GatedMLP)."""
+    """The model's torch path (ninfer/layers/activation.py silu_and_mul)."""
     gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
     return F.silu(gate) * up

@@ -1,7 +1,7 @@
 """E8 lattice codec and 4-bit nibble layout: the bit-exact specification GPU kernels follow.
 
 Everything here works on *code units* z = x * RN(1/s) (x rotated, s the represented fp16 scale
-of the 64-group, see ``formats.py``; for rk4v4-e8 rounded to the grid ``GRID``), vectorised over
+of the 64-group, see ``formats/base.py``; for rk4v4-e8 rounded to the grid ``GRID``), vectorised over
 any leading shape; no Python loop touches tokens.
 
 Lattice and box (DESIGN 2.1 step 3)
@@ -34,7 +34,7 @@ The float32 decisions can differ from real arithmetic only when two candidates a
 to within float32 rounding; the tests bound the gap to the exact nearest point by 1e-5. Kernels
 may drop the lower clamp and the ``z + 8`` term of step 1 (so ``a = |r|``, ``m = [r < 0]``): they
 change nothing for z >= -8, and the 4-bit scale rounds up, so code units lie in [-8, 8]
-(``formats.py``).
+(``formats/base.py``).
 
 4-bit layout (docs/ARCHITECTURE.md "4-bit data layout")
 -------------------------------------------------------
@@ -176,3 +176,62 @@ def encode_scalar4(z: torch.Tensor) -> torch.Tensor:
 def decode_scalar4(data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Packed rk4v4 data uint8 [..., D/2] -> integer code values n [..., D]."""
     return from_blocks(unpack_nibbles(data) - 8).to(dtype)
+
+
+# ----------------------------------------------------------------------------- scale refit (rk4v4-e8 encoder)
+# Same bitstream and decoder; only the stored fp16 scale and the chosen points change. Every
+# quantity is exact or one IEEE float32 op in a fixed order, so kernels reproduce it bit for bit:
+# z0 (the first code units, on GRID, |z0| <= 8) and the points p are on a 2^-9 grid with
+# |z p| <= 64, so <z0, p> (< 2^21 grid steps) and <p, p> are exact float32 sums in ANY order.
+#
+#   p0 = E8(z0);   s1 = fp16_rn(min(s0 * (<z0,p0> / <p0,p0>), 65504))   least squares for p0
+#   z1 = clamp(grid(z0 * (s0 / s1)), -8, 8);   p1 = E8(z1)               re-projection with s1
+#   s2 = fp16_rn(min(s0 * (<z0,p1> / <p1,p1>), 65504))                   least squares for p1
+#   keep (s2, p1) iff J(s2, p1) < J(s1, p0), J(s, p) = s * (s <p,p> - 2 s0 <z0,p>)
+#
+# J is the decoded-domain squared error |s0 z0 - s p|^2 less the constant |s0 z0|^2 (s0 z0 is x to
+# within 2^-9 s0), with the fp16 scale actually stored. s1 is never worse than s0 for p0: the
+# nearest fp16 to the least-squares optimum of a quadratic. A group whose s0 is 0 (all zero), or
+# whose refit rounds to 0 (values near the fp16 subnormal floor), keeps s0 and p0.
+_FP16_MAX = 65504.0
+
+
+def _dots(z0: torch.Tensor, n: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """<z0, p> and <p, p> per group ([..., G, 8, 8] blocks -> [..., G]); exact in float32."""
+    p = e8_point(n, c)
+    return (z0 * p).sum((-1, -2)), (p * p).sum((-1, -2))
+
+
+def _refit(s0: torch.Tensor, zp: torch.Tensor, pp: torch.Tensor) -> torch.Tensor:
+    """fp16_rn(min(s0 * (zp / pp), 65504)) as float32; 0 where pp == 0."""
+    q = zp / torch.where(pp > 0, pp, 1.0)
+    s = torch.minimum(s0 * q, torch.tensor(_FP16_MAX)).to(torch.float16).to(torch.float32)
+    return torch.where(pp > 0, s, 0.0)
+
+
+def _cost(s: torch.Tensor, s0: torch.Tensor, zp: torch.Tensor, pp: torch.Tensor) -> torch.Tensor:
+    return s * (s * pp - (s0 + s0) * zp)
+
+
+def encode_e8_refit(z0: torch.Tensor, s0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rk4v4-e8's encoder: code units z0 [..., D] (on GRID, |z0| <= 8) of the scales s0 float32
+    [..., G] (the represented fp16) -> (packed data uint8 [..., D/2], stored scales fp16 [..., G])."""
+    zb = to_blocks(z0.to(torch.float32))
+    if s0.shape != zb.shape[:-2]:
+        raise ValueError(f"encode_e8_refit: scales {list(s0.shape)} do not match the groups {list(zb.shape[:-2])}")
+    n0, c0 = e8_nearest(zb)
+    zp0, pp0 = _dots(zb, n0, c0)
+    s1 = _refit(s0, zp0, pp0)
+    ok = s1 > 0
+    t = (s0 / torch.where(ok, s1, 1.0))[..., None, None]  # float32 division
+    z1 = (torch.round(zb.double() * t.double() / GRID) * GRID).clamp_(-8.0, 8.0).to(torch.float32)
+    n1, c1 = e8_nearest(z1)
+    zp1, pp1 = _dots(zb, n1, c1)
+    s2 = _refit(s0, zp1, pp1)
+    take = ok & (s2 > 0) & (_cost(s2, s0, zp1, pp1) < _cost(s1, s0, zp0, pp0))
+    n = torch.where(take[..., None, None], n1, n0)
+    c = torch.where(take[..., None], c1, c0)
+    s = torch.where(take, s2, torch.where(ok, s1, s0))
+    u = n + 8
+    u[..., 7] = (u[..., 7] & 0xE) | c
+    return pack_nibbles(u), s.to(torch.float16)

@@ -117,12 +117,17 @@ def kv_bytes_per_token(model: ModelConfig, kv_dtype: str, model_dtype: str = "bf
 
 
 def default_cache_spec(model: ModelConfig, kv_dtype: Any) -> Any:
-    """An AttentionSpec for every full-attention layer of the config, None for the others."""
+    """An AttentionSpec for every full-attention layer of the config; the others get the config's
+    recurrent state (hybrids, float32) or None."""
+    import torch
+
     from ninfer.kvcache.formats import get_format
-    from ninfer.kvcache.spec import AttentionSpec, CacheSpec
+    from ninfer.kvcache.spec import AttentionSpec, CacheSpec, RecurrentStateSpec
     att = AttentionSpec(model.num_kv_heads, model.head_dim, get_format(kv_dtype))
+    shapes = model.recurrent_state_shapes()
+    rec = RecurrentStateSpec(shapes, torch.float32) if shapes else None
     full = set(model.full_attention_layers)
-    return CacheSpec(tuple(att if i in full else None for i in range(model.num_layers)))
+    return CacheSpec(tuple(att if i in full else rec for i in range(model.num_layers)))
 
 
 def activation_workspace(model: ModelConfig, tokens: int, act_bytes: int, max_num_seqs: int) -> dict[str, int]:
@@ -134,6 +139,9 @@ def activation_workspace(model: ModelConfig, tokens: int, act_bytes: int, max_nu
                                                qkv projection, q/k after norm+RoPE, attention
                                                output, o_proj output
       mlp        T*(3*I + H)*a                 gate_up (2I), act(gate)*up (I), down output
+      gdn        T*((C + Vh + 2Hv)*a + C*(2a+8))  hybrids' GDN layer (C conv channels, Vh value
+                                               dims, Hv value heads): in_proj output, conv input,
+                                               fp32 accumulator, one gathered tap
       kv_store   4*T*Hkv*D*4                   fp32 K and V staged for quantization, plus their
                                                rotated copies
       decode     S*Hq*DECODE_MAX_SPLITS*(D+1)*4 split-KV partial outputs + log-sum-exp, S = seqs
@@ -148,9 +156,13 @@ def activation_workspace(model: ModelConfig, tokens: int, act_bytes: int, max_nu
     hq, hkv, S = model.num_heads, model.num_kv_heads, max_num_seqs
     attn = T * ((hq + 2 * hkv) * D + (hq + hkv) * D + hq * D + H) * act_bytes
     mlp = T * (3 * I + H) * act_bytes
+    gdn, shapes = 0, model.recurrent_state_shapes()
+    if shapes:  # hybrids' GDN layers: merged in_proj output, then the conv's input + fp32 sum + one tap
+        conv, (hv, _, dv) = shapes["conv"][1], shapes["ssm"]
+        gdn = T * (conv + hv * dv + 2 * hv) * act_bytes + T * conv * (2 * act_bytes + 8)
     return {
         "hidden": 2 * T * H * act_bytes,
-        "layer": max(attn, mlp),
+        "layer": max(attn, mlp, gdn),
         "kv_store": 4 * T * hkv * D * 4,
         "decode": S * hq * DECODE_MAX_SPLITS * (D + 1) * 4,
         "logits": 6 * S * model.vocab_size * 4,
@@ -357,8 +369,8 @@ def plan_memory(model: ModelConfig, *, kv_dtype: str, total_bytes: int, free_byt
         raise ContextDoesNotFit(
             f"{what} does not fit with kv_dtype={kv_dtype} ({bpt} B/token): it needs {needed} bytes "
             f"({format_bytes(needed)}: weights {format_bytes(w_bytes)} + KV {format_bytes(min_pages * page_bytes)} + "
-            + (f"states {format_bytes(states)} + " if states else "") + f"page tables {format_bytes(page_tables)} + workspace "
-            f"{format_bytes(workspace)} + graphs {format_bytes(graphs)} + headroom {format_bytes(headroom)}) "
+            + (f"states {format_bytes(states)} + " if states else "")
+            + f"page tables {format_bytes(page_tables)} + workspace {format_bytes(workspace)} + graphs {format_bytes(graphs)} + headroom {format_bytes(headroom)}) "
             f"but only {free_bytes} bytes ({format_bytes(free_bytes)}) are available; the largest context that "
             f"fits with {kv_dtype} is {largest} tokens"
             + (f" (weights, {'states, ' if states else ''}workspace, graphs and headroom alone need {fixed} bytes)"

@@ -12,15 +12,14 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from ninfer import dtypes
+from ninfer.layers.rotary import apply_rope_overrides
 from ninfer.model_config import ModelConfig
-from ninfer.models.decoder import CausalLM
-from ninfer.models.registry import get_arch_spec
-from ninfer.models.rope import apply_rope_overrides
+from ninfer.models.base import CausalLM
+from ninfer.models.registry import get_model_class
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-           "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
 INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -33,9 +32,9 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     name = cfg.torch_dtype if dtype == "auto" else dtype
-    if name not in _DTYPES:
+    if name not in dtypes.ALIASES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, bf16, fp16 or fp32")
-    return _DTYPES[name]
+    return dtypes.to_torch(name)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -128,7 +127,7 @@ def load_weights(model: CausalLM, model_dir: Path, *, progress: bool = True) -> 
                               f"; looked in {where}")
     # a tied checkpoint may still carry lm_head.weight; HF keeps rotary buffers in old checkpoints
     unexpected = [n for n in ignored if not (n == "lm_head.weight" and model.config.tie_word_embeddings)
-                  and not n.endswith("rotary_emb.inv_freq")]
+                  and not n.endswith("rotary_emb.inv_freq") and not n.startswith(model.checkpoint_ignore)]
     if unexpected:
         log.warning("%s: ignored %d checkpoint tensors the model does not use, e.g. %s",
                     model_dir, len(unexpected), unexpected[:3])
@@ -154,18 +153,18 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     else:
         ro = {k: getattr(rope_overrides, k, None) for k in _ROPE_KEYS}
     cfg = apply_rope_overrides(cfg, ro.get("rope_yarn_factor"), ro.get("rope_original_max_position"))
-    spec = get_arch_spec(cfg.architecture)
+    model_cls = get_model_class(cfg.architecture)
     torch_dtype = resolve_dtype(dtype, cfg)
     dev = resolve_device(device)
     checkpoint_files(model_dir)  # fail on a broken directory before allocating anything
     # Build on the meta device (no random init of big matrices), then allocate for real.
     with torch.device("meta"):
-        model = CausalLM(cfg, spec)
+        model = model_cls(cfg)
     model = model.to(dtype=torch_dtype).to_empty(device=dev)
-    if cfg.tie_word_embeddings:  # to_empty gives each module its own new tensor; share again
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model.tie_weights()  # to_empty gives each module its own new tensor; share again
     load_weights(model, model_dir, progress=progress)
     model.eval().requires_grad_(False)
+    model.place(dev)
     log.info("%s", model.describe())
     return model
 

@@ -1,6 +1,7 @@
 """The FastAPI app: routes, the lifespan that starts/stops the engine thread, the API-key and
-body-size guards (plain ASGI middleware, so they also cover unknown paths), and the exception
-handlers that turn every error into OpenAI's envelope `{"error": {message, type, param, code}}`."""
+body-size guards (plain ASGI middleware, so they also cover unknown paths), the exception
+handlers that turn every error into OpenAI's envelope `{"error": {message, type, param, code}}`,
+and `DrainingServer`, uvicorn with a drain at SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +13,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -24,7 +26,7 @@ from ninfer.server.endpoints import create_chat_completion, create_completion
 from ninfer.server.metrics import RequestLog, ServerMetrics
 from ninfer.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
-from ninfer.server.serving import APIError, OpenAIServing, ServingConfig
+from ninfer.server.serving import APIError, OpenAIServing, ServingConfig, message_texts
 
 log = logging.getLogger("ninfer.server")
 
@@ -53,7 +55,9 @@ async def _send_envelope(send: Send, status: int, message: str, extra_headers: l
 
 class GuardMiddleware:
     """Bearer API key on every path but OPEN_PATHS, and a request-body size limit (413), checked
-    from Content-Length up front and counted while streaming in for chunked bodies."""
+    from Content-Length up front and counted while streaming in for chunked bodies. Every POST body
+    here is JSON, so one sent without a JSON content type (`curl -d` says form-urlencoded) is read
+    as JSON anyway."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
         self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
@@ -63,6 +67,9 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
+        if scope["method"] == "POST" and b"json" not in headers.get(b"content-type", b""):
+            raw = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
+            scope = {**scope, "headers": raw + [(b"content-type", b"application/json")]}
         if self.api_key and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
             auth = headers.get(b"authorization", b"").decode("latin-1")
             token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
@@ -96,6 +103,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "invalid request", None
     e = errors[0]
     loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    if e.get("type") == "invalid_unicode":   # the check walked the whole body: its path is exact
+        where = e.get("ctx", {}).get("where") or None
+        return str(e.get("msg")), where
     if e.get("type") == "json_invalid":
         return f"Malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}", None
     param = ".".join(loc) or None
@@ -117,7 +127,7 @@ def create_app(engine_factory: Callable[[], Any], serving_config: ServingConfig,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        aengine.start(asyncio.get_running_loop())
+        aengine.start(asyncio.get_running_loop())   # the CLI may have started (built) it already
         announce = asyncio.create_task(_announce_ready())
         try:
             yield
@@ -170,6 +180,8 @@ def create_app(engine_factory: Callable[[], Any], serving_config: ServingConfig,
     async def health() -> Response:
         if aengine.healthy:
             return Response(status_code=200)
+        if aengine.draining:
+            return _envelope(503, "the server is shutting down")
         if aengine.error is not None:
             return _envelope(503, f"engine failed: {aengine.error!r}")
         return _envelope(503, "engine is loading" if not aengine.ready else "engine thread stopped")
@@ -203,6 +215,8 @@ def create_app(engine_factory: Callable[[], Any], serving_config: ServingConfig,
         sv.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "send exactly one of `prompt` or `messages`", param="prompt")
+        sv.check_text_fits(message_texts(req.messages) if req.messages is not None else [req.prompt],
+                           "messages" if req.messages is not None else "prompt")
         if req.messages is not None:
             ids = await sv.on_tokenizer(sv.chat_prompt_ids, req.messages, add_generation_prompt=req.add_generation_prompt,
                                         template_kwargs=req.chat_template_kwargs)
@@ -210,7 +224,7 @@ def create_app(engine_factory: Callable[[], Any], serving_config: ServingConfig,
             ids = await sv.on_tokenizer(sv.prompt_ids, req.prompt, req.add_special_tokens)
         strs = None
         if req.return_token_strs:
-            strs = await sv.on_tokenizer(aengine.tokenizer.convert_ids_to_tokens, ids)
+            strs = await sv.on_tokenizer(lambda: sv.tokenizer.convert_ids_to_tokens(ids))
         return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=aengine.max_context, tokens=ids,
                                              token_strs=strs).model_dump(exclude_none=True))
 
@@ -221,6 +235,38 @@ def create_app(engine_factory: Callable[[], Any], serving_config: ServingConfig,
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
     return app
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn whose shutdown drains: from the first SIGTERM/SIGINT it accepts no connection and
+    no request (503), lets running requests finish for up to `drain_timeout` seconds, then aborts
+    the rest, each of which still gets its final event (finish_reason "abort", then [DONE]) or its
+    JSON body, before the connections close. Nothing is cancelled mid-response."""
+
+    FLUSH_S = 5.0   # after the aborts: time for handlers to write their last bytes
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float) -> None:
+        config.timeout_graceful_shutdown = drain_timeout + self.FLUSH_S
+        super().__init__(config)
+        self.engine, self.drain_timeout = engine, drain_timeout
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        self.engine.begin_drain()
+        deadline = asyncio.ensure_future(self._abort_at_deadline())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
+
+    async def _abort_at_deadline(self) -> None:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.drain_timeout
+        while self.engine.num_in_flight and loop.time() < end and not self.force_exit:
+            await asyncio.sleep(0.05)
+        if self.engine.num_in_flight:
+            log.warning("shutdown: aborting %d request(s) still running after %.1fs",
+                        self.engine.num_in_flight, self.drain_timeout)
+            self.engine.abort_all()
 
 
 def wait_for_health(url: str, timeout: float) -> bool:

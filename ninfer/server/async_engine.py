@@ -4,7 +4,12 @@ One background thread builds the engine and is the only thread that ever calls i
 not thread-safe, and its step loop must not stall the event loop). Handlers talk to that thread
 through a thread-safe inbox of add/abort commands; the thread hands each step's RequestOutputs
 back to the event loop with `loop.call_soon_threadsafe`, which fans them out to per-request
-asyncio queues. Everything named `_on_loop_*` runs on the event-loop thread only."""
+asyncio queues. Everything named `_on_loop_*` runs on the event-loop thread only.
+
+The thread may start before the event loop exists (`start()` then `attach(loop)`), so that the
+CLI can build the engine, and refuse to serve with one clear line, before it binds the port.
+Shutdown drains: `begin_drain()` refuses new requests, `abort_all()` ends every running one with
+a final output (finish_reason "abort") that its handler still delivers."""
 from __future__ import annotations
 
 import asyncio
@@ -43,6 +48,13 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+class _AbortAll:
+    """Abort every request and report each one's final output (shutdown)."""
+
+
+CPU_TARGET_STEP_S = 0.25   # on CPU the step budget adapts to this, so newcomers and aborts wait < 1 s
 
 
 @dataclass
@@ -87,8 +99,9 @@ class AsyncEngine:
         self._factory = engine_factory
         self.max_in_flight = max_in_flight
         self._on_failure = on_failure
-        self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _AbortAll] = queue.SimpleQueue()
         self._stop = threading.Event()
+        self._draining = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}      # loop thread only
@@ -101,15 +114,38 @@ class AsyncEngine:
         self.max_context: int = 0
         self.kv_capacity_tokens: int = 0
         self.kv_dtype: str = ""
+        self.max_token_bytes: int = 0       # UTF-8 bytes one token stands for at most (length pre-check)
         self.startup_lines: list[str] = []
         self.last_stats: Any = None         # the latest engine.stats(), replaced whole each step
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the engine thread (once); with `loop`, also attach the event loop."""
+        if loop is not None:
+            self.attach(loop)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
+            self._thread.start()
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
-        self._thread.start()
+
+    def wait_loaded(self) -> BaseException | None:
+        """Block until the engine is built or failed to build; returns the failure, if any."""
+        while not self._ready_event.wait(0.1):
+            if self.error is not None:
+                return self.error
+        return self.error
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on (503); running ones continue."""
+        self._draining = True
+
+    def abort_all(self) -> None:
+        """End every request now; each still gets a final output (finish_reason "abort")."""
+        if self.error is None:
+            self._inbox.put(_AbortAll())
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (blocking; call from a worker thread, not the event loop)."""
@@ -134,7 +170,11 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        return self.ready and self._thread is not None and self._thread.is_alive()
+        return self.ready and not self._draining and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
 
     @property
     def num_in_flight(self) -> int:
@@ -148,7 +188,7 @@ class AsyncEngine:
             raise EngineDeadError(f"engine failed: {self.error!r}")
         if not self._ready_event.is_set():
             raise EngineNotReadyError("the engine is still loading; retry when GET /health returns 200")
-        if self._stop.is_set():
+        if self._stop.is_set() or self._draining:
             raise EngineDeadError("the server is shutting down")
 
     async def add_request(self, request_id: str, prompt: list[int], params: Any) -> RequestStream:
@@ -195,10 +235,13 @@ class AsyncEngine:
             fmt = getattr(engine, "kv_format", None)
             self.kv_dtype = str(getattr(fmt, "name", "") or getattr(engine.config, "kv_dtype", ""))
             self.startup_lines = list(getattr(engine, "startup_lines", []) or [])
+            self.max_token_bytes = max_token_bytes(self.tokenizer)
+            if getattr(getattr(engine, "device", None), "type", None) == "cpu":
+                engine.scheduler.set_target_step_time(CPU_TARGET_STEP_S)
             self.last_stats = engine.stats()
             self._ready_event.set()
         except BaseException as e:  # noqa: BLE001 - reported through /health and the callback
-            self._fail(e, "engine failed to start")
+            self._fail(e, "engine failed to start", startup=True)
             return
         try:
             while not self._stop.is_set():
@@ -224,7 +267,10 @@ class AsyncEngine:
         except queue.Empty:
             return False
         while True:
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, _AbortAll):
+                finals = [engine.abort_request(rid) for rid in list(engine.scheduler.requests)]
+                self._call_on_loop(self._on_loop_dispatch, [f for f in finals if f is not None], time.monotonic())
+            elif isinstance(cmd, _Add):
                 if self._stop.is_set():
                     self._call_on_loop(_set_exception, cmd.ack, EngineDeadError("the server is shutting down"))
                 else:
@@ -243,9 +289,12 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _fail(self, e: BaseException, what: str) -> None:
+    def _fail(self, e: BaseException, what: str, startup: bool = False) -> None:
         self.error = e
-        log.error("%s: %s\n%s", what, e, "".join(traceback.format_exception(e)))
+        # A model that cannot load is the operator's to fix from one line (the CLI prints it);
+        # the traceback is for debugging. A failure while serving is a bug: log it whole.
+        log.log(logging.DEBUG if startup else logging.ERROR, "%s: %s\n%s", what, e,
+                "".join(traceback.format_exception(e)))
         dead = EngineDeadError(f"{what}: {e!r}")
         self._call_on_loop(self._on_loop_fail_all, dead)
         # Commands still in the inbox will never be served: fail their waiters.
@@ -297,3 +346,16 @@ def _set_result(fut: asyncio.Future, value: Any = None) -> None:
 def _set_exception(fut: asyncio.Future, err: BaseException) -> None:
     if not fut.done():
         fut.set_exception(err)
+
+
+def max_token_bytes(tokenizer: Any) -> int:
+    """An upper bound on the UTF-8 bytes of input text one token can cover: the longest vocabulary
+    string in UTF-8. Byte-level BPE spells each byte as one character of at most 2 UTF-8 bytes,
+    SentencePiece spells a space as the 3-byte U+2581 and a fallback byte as `<0xAB>`: each token's
+    string is at least as long as the text it stands for. A prompt of B bytes is therefore at least
+    B / max_token_bytes tokens, which refuses an absurdly long prompt before tokenizing it."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary: no pre-check
+        return 0
+    return max((len(s.encode("utf-8", "surrogatepass")) for s in vocab), default=0)

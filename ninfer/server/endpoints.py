@@ -5,6 +5,7 @@ is a proper HTTP error; once a stream has started, a failure becomes an `error` 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -14,15 +15,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 
+from ninfer.server.agent import ChatPlan, plan_for
 from ninfer.server.async_engine import RequestStream
 from ninfer.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                    ChatLogprob, ChatResponseMessage, ChatStreamChoice, ChoiceLogprobs,
+                                    ChatLogprob, ChatStreamChoice, ChoiceLogprobs,
                                     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                                     DeltaMessage, PromptTokensDetails, Usage)
-from ninfer.server.serving import APIError, OpenAIServing, Tracker
+from ninfer.server.serving import APIError, OpenAIServing, Tracker, message_texts
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MAX_CHOICES = 128   # n x prompts of one HTTP request
+SEED_RANGE = 1 << 63
 
 
 @dataclass
@@ -50,12 +53,14 @@ def _sse(payload: Any) -> str:
     return f"data: {data}\n\n"
 
 
-def _new_logprobs(last: Any, n_new: int) -> tuple[list[int], list[float]]:
-    """The last `n_new` generated token ids and their chosen-token logprobs (RequestOutput.logprobs
-    holds all logprobs so far, aligned with token_ids)."""
+def _new_logprobs(last: Any, n_new: int) -> tuple[list[int], list[float], list[list[tuple[int, float]]] | None]:
+    """The last `n_new` generated token ids, their chosen-token logprobs and, when asked for, the
+    top alternatives (RequestOutput.logprobs / .top_logprobs hold all so far, aligned with token_ids)."""
     end = len(last.token_ids)
     start = max(0, end - n_new)
-    return list(last.token_ids[start:end]), list((last.logprobs or [])[start:end])
+    tops = getattr(last, "top_logprobs", None)
+    return (list(last.token_ids[start:end]), list((last.logprobs or [])[start:end]),
+            None if tops is None else list(tops[start:end]))
 
 
 def _n_new(steps: list[Any]) -> int:
@@ -66,21 +71,37 @@ def _token_strs(tok: Any, ids: list[int]) -> list[str]:
     return [tok.decode([i], skip_special_tokens=False) for i in ids]
 
 
-async def _chat_logprobs(sv: OpenAIServing, ids: list[int], lps: list[float]) -> ChoiceLogprobs:
-    strs = await sv.on_tokenizer(_token_strs, sv.engine.tokenizer, ids)
-    return ChoiceLogprobs(content=[ChatLogprob(token=s, logprob=lp, bytes=list(s.encode("utf-8")))
-                                   for s, lp in zip(strs, lps)])
+async def _strs(sv: OpenAIServing, ids: list[int], tops: list[list[tuple[int, float]]] | None,
+                ) -> tuple[list[str], list[list[tuple[str, float]]] | None]:
+    def work() -> tuple[list[str], list[list[tuple[str, float]]] | None]:
+        tok = sv.tokenizer
+        alts = None if tops is None else [list(zip(_token_strs(tok, [i for i, _ in t]), (lp for _, lp in t)))
+                                          for t in tops]
+        return _token_strs(tok, ids), alts
+    return await sv.on_tokenizer(work)
 
 
-async def _completion_logprobs(sv: OpenAIServing, ids: list[int], lps: list[float], offset: int) -> CompletionLogprobs:
-    strs = await sv.on_tokenizer(_token_strs, sv.engine.tokenizer, ids)
+async def _chat_logprobs(sv: OpenAIServing, ids: list[int], lps: list[float],
+                         tops: list[list[tuple[int, float]]] | None) -> ChoiceLogprobs:
+    strs, alts = await _strs(sv, ids, tops)
+    return ChoiceLogprobs(content=[
+        ChatLogprob(token=s, logprob=lp, bytes=list(s.encode("utf-8")),
+                    top_logprobs=[{"token": a, "logprob": alp, "bytes": list(a.encode("utf-8"))}
+                                  for a, alp in (alts[k] if alts else [])])
+        for k, (s, lp) in enumerate(zip(strs, lps))])
+
+
+async def _completion_logprobs(sv: OpenAIServing, ids: list[int], lps: list[float],
+                               tops: list[list[tuple[int, float]]] | None, offset: int) -> CompletionLogprobs:
+    strs, alts = await _strs(sv, ids, tops)
     offsets, pos = [], offset
     for s in strs:
         offsets.append(pos)
         pos += len(s)
-    # Only the sampled token's logprob is computed by the engine: no alternatives to list.
-    return CompletionLogprobs(tokens=strs, token_logprobs=list(lps), top_logprobs=[None] * len(strs),
-                              text_offset=offsets)
+    # OpenAI's shape: one {token: logprob} dict per position (null when logprobs=0 asked for none);
+    # ids that decode alike (partial UTF-8 bytes) keep the likeliest one's logprob
+    top = [dict(reversed(a)) for a in alts] if alts is not None else [None] * len(strs)
+    return CompletionLogprobs(tokens=strs, token_logprobs=list(lps), top_logprobs=top, text_offset=offsets)
 
 
 def _stream_flags(req: Any) -> tuple[bool, bool]:
@@ -96,7 +117,7 @@ def _samples(sv: OpenAIServing, parent: Tracker, n: int, first_index: int, promp
         idx = first_index + j
         tr = parent if idx == 0 else dataclasses.replace(parent, request_id=f"{parent.request_id}-{idx}")
         tr.prompt_tokens = len(prompt_ids)
-        p = params if j == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + j)
+        p = params if j == 0 or params.seed is None else dataclasses.replace(params, seed=(params.seed + j) % SEED_RANGE)
         out.append(Choice(idx, tr, prompt_ids, p, counts_prompt=j == 0, echo=echo, offset=len(echo)))
     return out
 
@@ -156,17 +177,22 @@ async def create_chat_completion(sv: OpenAIServing, req: ChatCompletionRequest, 
         sv.check_model(req.model)
         sv.log_ignored(req, parent)
         _check_n(req.n)
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if req.add_generation_prompt and req.continue_final_message:
             raise APIError(400, "add_generation_prompt and continue_final_message cannot both be true",
                            param="continue_final_message")
+        sv.check_text_fits(message_texts(req.messages), "messages")
+        plan = plan_for(sv, req)   # tools, tool_choice, response_format, reasoning
         prompt_ids = await sv.on_tokenizer(sv.chat_prompt_ids, req.messages,
                                            add_generation_prompt=req.add_generation_prompt,
                                            continue_final_message=req.continue_final_message,
-                                           template_kwargs=req.chat_template_kwargs)
+                                           template_kwargs=plan.template_kwargs)
         parent.prompt_tokens = len(prompt_ids)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sv.sampling_params(req, len(prompt_ids), max_tokens, param="messages",
-                                    logprobs=0 if req.logprobs else None)
+                                    logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        params = await plan.constrain(sv, params, prompt_ids)
         choices = _samples(sv, parent, req.n, 0, prompt_ids, params)
         await _submit_all(sv, choices)
     except APIError as e:
@@ -175,15 +201,17 @@ async def create_chat_completion(sv: OpenAIServing, req: ChatCompletionRequest, 
 
     async def make_choice(ch: Choice, last: Any) -> ChatChoice:
         logprobs = await _chat_logprobs(sv, *_new_logprobs(last, len(last.token_ids))) if req.logprobs else None
-        return ChatChoice(index=ch.index, message=ChatResponseMessage(content=last.text), logprobs=logprobs,
-                          finish_reason=last.finish_reason)
+        message, finish = plan.message(last.text, last.finish_reason)
+        return ChatChoice(index=ch.index, message=message, logprobs=logprobs, finish_reason=finish)
 
-    return await _respond(sv, raw, req, parent, choices, _chat_stream, make_choice, ChatCompletionResponse)
+    return await _respond(sv, raw, req, parent, choices, functools.partial(_chat_stream, plan=plan), make_choice,
+                          ChatCompletionResponse)
 
 
 async def _chat_stream(sv: OpenAIServing, req: ChatCompletionRequest, choices: list[Choice], rid: str,
-                       model: str, created: int) -> AsyncIterator[str]:
+                       model: str, created: int, *, plan: ChatPlan) -> AsyncIterator[str]:
     include_usage, continuous = _stream_flags(req)
+    outs = {ch.index: plan.streamer() for ch in choices}   # reasoning / tool-call split per choice
 
     def chunk(index: int, delta: DeltaMessage | None, finish: str | None = None,
               logprobs: ChoiceLogprobs | None = None) -> str:
@@ -201,10 +229,14 @@ async def _chat_stream(sv: OpenAIServing, req: ChatCompletionRequest, choices: l
             lp = None
             if req.logprobs and _n_new(steps):
                 lp = await _chat_logprobs(sv, *_new_logprobs(last, _n_new(steps)))
-            if text or lp is not None:
-                yield chunk(index, DeltaMessage(content=text), logprobs=lp)
+            deltas = outs[index].feed(text) if text else []
+            for k, delta in enumerate(deltas or ([DeltaMessage()] if lp is not None else [])):
+                yield chunk(index, delta, logprobs=lp if k == 0 else None)
             if last.finished:
-                yield chunk(index, None, finish=last.finish_reason)
+                deltas, finish = outs[index].finish(last.finish_reason)
+                for delta in deltas:
+                    yield chunk(index, delta)
+                yield chunk(index, None, finish=finish)
         if include_usage:
             yield _sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=_usage(choices)))
     except APIError as e:
@@ -240,15 +272,17 @@ async def create_completion(sv: OpenAIServing, req: CompletionRequest, raw: Requ
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo together with logprobs needs prompt logprobs, which are not supported",
                            param="echo")
+        for prompt in prompts:      # each prompt is its own request: each must fit alone
+            sv.check_text_fits([prompt] if isinstance(prompt, str) else [], "prompt")
         for prompt in prompts:
             prompt_ids = await sv.on_tokenizer(sv.prompt_ids, prompt, req.add_special_tokens)
             if not prompt_ids:
                 raise APIError(400, "prompt is empty after tokenization", param="prompt")
             params = sv.sampling_params(req, len(prompt_ids), req.max_tokens, param="prompt",
-                                        logprobs=0 if req.logprobs is not None else None)
+                                        logprobs=req.logprobs)
             echo = ""
             if req.echo:
-                echo = prompt if isinstance(prompt, str) else await sv.on_tokenizer(sv.engine.tokenizer.decode, prompt)
+                echo = prompt if isinstance(prompt, str) else await sv.on_tokenizer(lambda: sv.tokenizer.decode(prompt))
             choices += _samples(sv, parent, req.n, len(choices), prompt_ids, params, echo)
         await _submit_all(sv, choices)
     except APIError as e:

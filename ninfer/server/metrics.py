@@ -69,6 +69,10 @@ class ServerMetrics:
         running.labels(**m).set_function(lambda: _first(self._stats(), "num_running", "running"))
         waiting.labels(**m).set_function(lambda: _first(self._stats(), "num_waiting", "waiting"))
         usage.labels(**m).set_function(lambda: kv_usage_from_stats(self._stats()))
+        for name, field, what in (("kv_cache_free_pages", "num_free_pages", "KV-cache pages free (evictable cached ones included)"),
+                                  ("kv_cache_total_pages", "num_total_pages", "KV-cache pages in the pool")):
+            Gauge(f"ninfer:{name}", what + ".", lbl, registry=r).labels(**m).set_function(
+                lambda f=field: _first(self._stats(), f))
         # Counted by the engine (its running totals are mirrored at scrape time, see render()).
         self._mirrored = {
             "num_preemptions": Counter("ninfer:num_preemptions", "Requests preempted (pages reclaimed, recomputed later).",
@@ -99,6 +103,13 @@ class ServerMetrics:
 
     def engine_ready(self, kv_dtype: str, capacity_tokens: int) -> None:
         self._capacity.labels(model_name=self._labels["model_name"], kv_dtype=kv_dtype).set(capacity_tokens)
+        # Recurrent-state slots exist only for models with linear-attention layers: gauges only then.
+        stats = self._stats()
+        for name, field, what in (("state_slots_free", "num_free_state_slots", "Recurrent-state slots free"),
+                                  ("state_slots_total", "num_total_state_slots", "Recurrent-state slots in the pool")):
+            if stats.get(field) is not None:
+                Gauge(f"ninfer:{name}", what + ".", ["model_name"], registry=self.registry).labels(
+                    **self._labels).set_function(lambda f=field: _first(self._stats(), f))
 
     def _stats(self) -> dict[str, Any]:
         return stats_dict(self._stats_fn())

@@ -2,17 +2,45 @@
 
 Requests accept unknown fields (`extra="allow"`): clients send vendor extras freely and a server
 that rejects them breaks those clients; the serving layer logs what it ignores. Field names follow
-OpenAI, plus the vLLM extras (`top_k`, `min_p`, `ignore_eos`, `repetition_penalty`, ...)."""
+OpenAI, plus the vLLM extras (`top_k`, `min_p`, `ignore_eos`, `repetition_penalty`, ...).
+Known fields are checked as OpenAI checks them: booleans must be JSON booleans (not "yes"),
+numbers finite, roles known, seeds in [0, 2^63); every string must be valid Unicode (a lone
+surrogate such as "\ud800" cannot be tokenized)."""
 from __future__ import annotations
 
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic_core import PydanticCustomError
+
+SEED_MAX = (1 << 63) - 1
+
+
+def invalid_unicode(value: Any, path: str = "") -> tuple[str, str] | None:
+    """(where, what) of the first string in `value` (JSON data) that holds a lone surrogate."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return path, f"invalid Unicode: lone surrogate U+{ord(value[e.start]):04X} at character {e.start}"
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            found = invalid_unicode(k, path) or invalid_unicode(v, f"{path}.{k}" if path else str(k))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = invalid_unicode(v, f"{path}.{i}")
+            if found:
+                return found
+    return None
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -20,6 +48,9 @@ class OpenAIBaseModel(BaseModel):
         # Many clients send every field, unset ones as null ("n": null, "stream": null). Every
         # field's default here is what null means, so a null is simply dropped.
         if isinstance(data, dict):
+            bad = invalid_unicode(data)
+            if bad:
+                raise PydanticCustomError("invalid_unicode", "{where}: {what}", {"where": bad[0], "what": bad[1]})
             return {k: v for k, v in data.items() if v is not None}
         return data
 
@@ -47,8 +78,8 @@ class ErrorResponse(BaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False   # vLLM extra: usage on every chunk
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False   # vLLM extra: usage on every chunk
 
 
 class SamplingFields(OpenAIBaseModel):
@@ -64,14 +95,14 @@ class SamplingFields(OpenAIBaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     n: int = Field(default=1, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     min_tokens: int = Field(default=0, ge=0)
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    stream: bool = False
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
 
@@ -86,19 +117,87 @@ class ContentPart(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # agents: an assistant turn that called tools, and the tool's answer (role "tool")
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None       # accepted on input; templates drop past reasoning
+
+
+# ---------------------------------------------------------------------------------------------
+# tools, tool calls and structured output (chat only)
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None = no arguments
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str                             # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
 
 
 class ChatLogprob(BaseModel):
@@ -126,6 +225,8 @@ class Usage(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -147,6 +248,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):
@@ -173,9 +276,9 @@ class CompletionRequest(SamplingFields):
     # One prompt: text or token ids (a one-element list of either is accepted too).
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: StrictBool = True
 
 
 class CompletionLogprobs(BaseModel):
@@ -227,10 +330,10 @@ class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    return_token_strs: bool = False
+    return_token_strs: StrictBool = False
 
 
 class TokenizeResponse(BaseModel):

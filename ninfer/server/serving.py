@@ -1,13 +1,18 @@
 """OpenAI semantics on top of AsyncEngine: request -> prompt ids + SamplingParams, length checks,
 then a non-streaming body or an SSE stream, with metrics, the request log and disconnect -> abort.
 
-All tokenizer work runs on one dedicated thread (HF fast tokenizers must not be used from two
-threads at once, and a 100K-token prompt must not stall the event loop)."""
+All tokenizer work runs on a small pool of worker threads, each with its own copy of the
+tokenizer (HF fast tokenizers must not be used from two threads at once): a 100K-token prompt
+neither stalls the event loop nor queues a short request behind it. Before any tokenizing, text
+that cannot fit the context whatever the tokenizer does (more than max_context x the longest
+token's bytes) is refused at once."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +27,11 @@ from ninfer.server.metrics import RequestLog, ServerMetrics
 from ninfer.server.protocol import ChatMessage, ErrorInfo, ErrorResponse, PromptTokensDetails, SamplingFields, Usage
 
 log = logging.getLogger("ninfer.server")
+
+TOKENIZER_THREADS = 4
+# Slack on the bytes -> tokens bound, for normalizers that shrink text (NFC merges a letter and its
+# combining accent): the pre-check must never refuse a prompt that would have fit.
+_TEXT_BOUND_SLACK = 2
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
@@ -50,6 +60,8 @@ class ServingConfig:
     greedy: bool = False                      # force temperature 0 on every request
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # SamplingParams field -> value
     kv_dtype: str = ""
+    reasoning_parser: str = "auto"            # a ninfer.server.reasoning name, "auto" (from the template) or "none"
+    tool_call_parser: str = "auto"            # a ninfer.server.tool_parsers name, "auto" or "none"
 
 
 @dataclass
@@ -83,7 +95,8 @@ class OpenAIServing:
         self.config = config
         self.metrics = metrics
         self.request_log = request_log
-        self._tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ninfer-tokenizer")
+        self._tok_pool = ThreadPoolExecutor(max_workers=TOKENIZER_THREADS, thread_name_prefix="ninfer-tokenizer")
+        self._tok_local = threading.local()
         self._params_cls: Callable[..., Any] | None = None
 
     def close(self) -> None:
@@ -93,6 +106,27 @@ class OpenAIServing:
 
     async def on_tokenizer(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tok_pool, lambda: fn(*args, **kw))
+
+    @property
+    def tokenizer(self) -> Any:
+        """The calling tokenizer thread's own copy of the tokenizer."""
+        tok = getattr(self._tok_local, "tok", None)
+        if tok is None:
+            tok = self._tok_local.tok = copy.deepcopy(self.engine.tokenizer)
+        return tok
+
+    def check_text_fits(self, texts: list[str], param: str) -> None:
+        """Refuse text that is longer than the context whatever it tokenizes to, without tokenizing
+        it (a character is at least one UTF-8 byte; see async_engine.max_token_bytes)."""
+        per_token = self.engine.max_token_bytes * _TEXT_BOUND_SLACK
+        if not per_token:
+            return
+        chars = sum(len(t) for t in texts)
+        least = chars // per_token
+        if least >= self.engine.max_context:
+            raise APIError(400, f"This model's maximum context length is {self.engine.max_context} tokens. However, "
+                                f"the {param} has {chars} characters, at least {least} tokens. Please reduce the "
+                                f"length of the {param}.", param=param)
 
     def check_model(self, name: str | None) -> None:
         if self.engine.error is not None:
@@ -107,7 +141,7 @@ class OpenAIServing:
                         continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
                         ) -> list[int]:
         """Runs on the tokenizer thread."""
-        tok = self.engine.tokenizer
+        tok = self.tokenizer
         msgs = [_message_dict(m) for m in messages]
         kwargs: dict[str, Any] = {}
         template = getattr(tok, "chat_template", None)
@@ -130,16 +164,16 @@ class OpenAIServing:
     def prompt_ids(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """Runs on the tokenizer thread."""
         if isinstance(prompt, str):
-            return list(self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         return list(prompt)    # ids: the engine checks them against the model's vocabulary
 
     def detokenize(self, ids: list[int]) -> str:
         """Runs on the tokenizer thread."""
-        vocab = len(self.engine.tokenizer)
+        vocab = len(self.tokenizer)
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids outside the tokenizer's range [0, {vocab}): {bad[:5]}", param="tokens")
-        return self.engine.tokenizer.decode(ids)
+        return self.tokenizer.decode(ids)
 
     def sampling_params(self, req: SamplingFields, prompt_len: int, max_tokens: int | None, *,
                         param: str, logprobs: int | None) -> Any:
@@ -357,8 +391,20 @@ async def wait_disconnect(raw: Request) -> None:
             return
 
 
+def message_texts(messages: list[ChatMessage]) -> list[str]:
+    """The text a chat template will carry (for the length pre-check)."""
+    out = []
+    for m in messages:
+        if isinstance(m.content, str):
+            out.append(m.content)
+        elif m.content:
+            out += [p.text for p in m.content if p.text]
+    return out
+
+
 def _message_dict(m: ChatMessage) -> dict[str, Any]:
-    d = m.model_dump(exclude_none=True)
+    from ninfer.server.agent import template_message
+    d = template_message(m.model_dump(exclude_none=True))
     if isinstance(m.content, list):
         texts = []
         for part in m.content:

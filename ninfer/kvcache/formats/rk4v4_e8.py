@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from ninfer.kvcache import e8 as _e8
-from ninfer.kvcache.formats.base import KERNEL_E8, ScaledFormat
+from ninfer.kvcache.formats.base import KERNEL_E8, ScaledFormat, code_units, group_scales
+from ninfer.kvcache.hadamard import rotate
 
 C_E8 = 8.0
 
@@ -15,7 +16,15 @@ class E8Format(ScaledFormat):
     code_grid = _e8.GRID
 
     def quantize(self, z: torch.Tensor) -> torch.Tensor:
+        """Nearest E8 points at the given scale (no refit): the baseline encoder, for comparisons."""
         return _e8.encode_e8(z)
+
+    def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        xr = rotate(x).to(torch.float32)
+        s16, s = group_scales(xr, float(self.scale_divisor), round_up=True)
+        # The least-squares scale refit (e8.encode_e8_refit) picks the stored scale and points:
+        # the same bitstream and decoders as the plain nearest-point encoder, lower error.
+        return _e8.encode_e8_refit(code_units(xr, s, self.code_grid), s[..., 0])
 
     def decode_codes(self, data: torch.Tensor) -> torch.Tensor:
         """p = n + c/2 per coordinate."""

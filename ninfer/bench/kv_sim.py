@@ -1,0 +1,104 @@
+"""KV quantization simulated inside a transformers model, for next-token KL on real text.
+
+Every attention layer's K (after RoPE and k-norm) and V go through a codec (encode then decode,
+the stored bytes' values) before attention, for all positions of a document in one causal forward
+pass: each position's next-token distribution then sees the quantized cache of every earlier
+token and of itself, as a decode step does. KL(reference || quantized) in nats is averaged over
+every position of every document; ``layers`` and ``planes`` restrict the quantization (one layer,
+K only, V only). Documents: the public-domain English passages in ``ninfer/bench/data/*.txt``.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from ninfer.kvcache import e8
+from ninfer.kvcache.formats import code_units, get_format, group_scales
+from ninfer.kvcache.hadamard import rotate
+
+Codec = Callable[[torch.Tensor], torch.Tensor]  # x [N, D] float32 -> reconstruction [N, D]
+DATA = Path(__file__).resolve().parent / "data"
+_ATTN = "ninfer_kv_sim"
+
+
+def documents() -> dict[str, str]:
+    """name -> text of every shipped passage (sorted by file name)."""
+    docs = {p.stem: p.read_text(encoding="utf-8") for p in sorted(DATA.glob("*.txt"))}
+    if not docs:
+        raise FileNotFoundError(f"no documents in {DATA}")
+    return docs
+
+
+def e8_baseline(x: torch.Tensor) -> torch.Tensor:
+    """rk4v4-e8 with the first encoder: the nearest point at s = absmax / 8 (no scale refit)."""
+    xr = rotate(x).to(torch.float32)
+    s16, s = group_scales(xr, 8.0, round_up=True)
+    p = e8.decode_e8(e8.encode_e8(code_units(xr, s, e8.GRID)))
+    return rotate((p.reshape(*p.shape[:-1], -1, 64) * s).reshape(p.shape))
+
+
+def format_codec(name: str) -> Codec:
+    """A servable format's codec (its shipped encoder); ``rk4v4-e8:baseline`` is the first encoder."""
+    if name == "rk4v4-e8:baseline":
+        return e8_baseline
+    f = get_format(name)
+    return lambda x: f.decode(*f.encode(x)).float()
+
+
+@contextlib.contextmanager
+def quantized_kv(model, codec: Codec | None, layers: Sequence[int] | None = None, planes: str = "kv") -> Iterator[None]:
+    """Run ``model``'s attention on codec(K), codec(V) of the selected layers (None: all)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    chosen = None if layers is None else set(layers)
+
+    def attn(module, query, key, value, attention_mask, **kw):
+        if codec is not None and (chosen is None or module.layer_idx in chosen):
+            q = lambda t: codec(t.float().reshape(-1, t.shape[-1])).reshape(t.shape).to(t.dtype)  # noqa: E731
+            key = q(key) if "k" in planes else key
+            value = q(value) if "v" in planes else value
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+
+    AttentionInterface.register(_ATTN, attn)
+    old = model.config._attn_implementation
+    model.set_attn_implementation(_ATTN)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(old)
+
+
+def load(model_dir: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+def token_ids(tok, texts: dict[str, str], max_tokens: int) -> dict[str, torch.Tensor]:
+    return {k: torch.tensor(tok(t).input_ids[:max_tokens])[None] for k, t in texts.items()}
+
+
+@torch.no_grad()
+def log_probs(model, ids: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0].double(), -1)
+
+
+def kl(ref_lp: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+    """KL(ref || q) per position, nats."""
+    return (ref_lp.exp() * (ref_lp - lp)).sum(-1).clamp_min(0)
+
+
+@torch.no_grad()
+def doc_kl(model, ids: dict[str, torch.Tensor], refs: dict[str, torch.Tensor], codec: Codec,
+           layers: Sequence[int] | None = None, planes: str = "kv") -> dict[str, float]:
+    """Mean next-token KL per document with the given quantization."""
+    out = {}
+    with quantized_kv(model, codec, layers, planes):
+        for name, x in ids.items():
+            out[name] = float(kl(refs[name], log_probs(model, x)).mean())
+    return out
