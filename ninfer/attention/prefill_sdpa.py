@@ -159,7 +159,7 @@ def sdpa_prefill_unsupported(ctx) -> str | None:
         return f"SDPA flash / cuDNN need bf16 or fp16, the model runs {ctx.dtype}"
     d = ctx.head_dim
     if d < 64 or d & (d - 1) or d > 256:
-        return f"head_dim {d} (a power of 2 in 64..256)"
+        return f"head_dim {d}: the SDPA prefill needs a power of 2 in 64..256"
     return None
 
 
