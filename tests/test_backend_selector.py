@@ -52,10 +52,11 @@ def test_kernels_on_cpu_need_the_interpreter(monkeypatch):
 def test_kernel_paths_say_what_serves_each_op_and_why(interpret):
     be = select_backend(_pool(), "cpu", torch.bfloat16, 4, kind="kernels")
     assert be.name == "kernels"
-    assert be.kernel_paths() == "store=triton (not on CUDA) decode=triton (not on CUDA) prefill=triton"
+    assert be.kernel_paths() == "store=triton (not on CUDA) decode=triton (not on CUDA) prefill=sdpa"
     bf = select_backend(_pool("bf16", 96), "cpu", torch.bfloat16, 4, kind="kernels")
     assert bf.kernel_paths() == ("store=triton (format bf16 has no cuda store kernel) decode=triton (format bf16 "
-                                 "has no cuda decode kernel) prefill=triton")
+                                 "has no cuda decode kernel) prefill=triton (head_dim 96: the SDPA prefill needs "
+                                 "a power of 2 in 64..256)")
     # a rotated format's prefill kernel needs a power-of-2 head dim: refused at startup, not mid-serving
     with pytest.raises(UnsupportedAttention, match=r"no prefill implementation .* head_dim 192 \(rotated formats"):
         select_backend(_pool("rk4v4", 192), "cpu", torch.bfloat16, 4, kind="kernels")
