@@ -72,15 +72,18 @@ def quantized_kv(model, codec: Codec | None, layers: Sequence[int] | None = None
         model.set_attn_implementation(old)
 
 
-def load(model_dir: str):
+def load(model_dir: str, device: str = "cpu"):
+    """float32 model on ``device`` ("auto": CUDA where present) and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     return model, AutoTokenizer.from_pretrained(model_dir)
 
 
-def token_ids(tok, texts: dict[str, str], max_tokens: int) -> dict[str, torch.Tensor]:
-    return {k: torch.tensor(tok(t).input_ids[:max_tokens])[None] for k, t in texts.items()}
+def token_ids(tok, texts: dict[str, str], max_tokens: int, device="cpu") -> dict[str, torch.Tensor]:
+    return {k: torch.tensor(tok(t).input_ids[:max_tokens], device=device)[None] for k, t in texts.items()}
 
 
 @torch.no_grad()
@@ -127,8 +130,8 @@ def run_text(args) -> dict:
         raise ValueError(f"--planes takes kv, k and v, got {args.planes!r}")
     if args.tokens < 2:
         raise ValueError("--tokens must be >= 2")
-    model, tok = load(args.model)
-    ids = token_ids(tok, documents(), args.tokens)
+    model, tok = load(args.model, args.device)
+    ids = token_ids(tok, documents(), args.tokens, model.device)
     refs = {k: log_probs(model, x) for k, x in ids.items()}
     rows = []
     for name in names:
