@@ -23,6 +23,7 @@ import torch  # noqa: E402
 
 from ninfer.bench import kernels as kb  # noqa: E402
 from ninfer.kernels import paged_decode as pd  # noqa: E402
+from ninfer.kvcache.formats import get_format  # noqa: E402
 
 CUDA_CFGS = {
     "int8": [(8, 16, 3), (4, 16, 4)],
@@ -51,15 +52,16 @@ def small_checks() -> list[dict]:
                         pg = pages_used[b, n // 64].long()
                         case.planes["v_scale"][pg, :, n % 64:] = float("nan")
                         case.planes["k_scale"][pg, :, n % 64:] = float("inf")
-            ref = pd.paged_decode_ref(case.q, case.kp, case.vp, case.tables[0], case.seq_lens, fmt, case.scale)
+            ref = pd.paged_decode_ref(case.q, case.kp, case.vp, case.tables[0], case.seq_lens, case.fmt, case.scale)
             for be, splits in (("cuda", None), ("cuda", 3)):
                 if be == "cuda" and fmt == "bf16":
                     continue
                 o = torch.full_like(case.q, float("nan"))
                 row = {"fmt": fmt, "backend": be, "hq": hq, "hkv": hkv, "d": d, "lens": lens, "splits": splits}
                 try:
-                    pd.paged_decode(case.q, case.kp, case.vp, case.tables[0], case.seq_lens, fmt, case.scale,
-                                    out=o, backend=be, num_splits=splits)
+                    decode = pd.paged_decode_cuda if be == "cuda" else pd.paged_decode_triton
+                    decode(case.q, case.kp, case.vp, case.tables[0], case.seq_lens, case.fmt, case.scale,
+                           out=o, num_splits=splits)
                     torch.cuda.synchronize()
                     of = o.float()
                     fin = bool(torch.isfinite(of).all())
@@ -108,10 +110,10 @@ def main() -> int:
     arch = f"sm_{cap[0]}{cap[1]}"
     keys = []
     for fmt, cfgs in CUDA_CFGS.items():
-        code = pd.fmt_code(pd.get_format(fmt))
+        code = get_format(fmt).kernel_code
         for d in (128, 256):
             for cfg in cfgs:
-                keys.append((pd._CUDA_FMT[code], d, "bf16", *cfg))
+                keys.append((code, d, "bf16", *cfg))
     with ThreadPoolExecutor(8) as ex:
         errs = list(ex.map(lambda k: _try_build(k, arch), keys))
     build_errors = [e for e in errs if e]
@@ -143,7 +145,8 @@ def main() -> int:
                     if fmt == "rk4v4-e8":
                         cfg = CUDA_CFGS[fmt][0]
                         try:
-                            s0 = pd.cuda_num_splits(1, hkv, math.ceil(ctx / 64), torch.device("cuda"), fmt, d, cfg=cfg)
+                            s0 = pd.cuda_num_splits(1, hkv, math.ceil(ctx / 64), torch.device("cuda"), get_format(fmt), d,
+                                                   cfg=cfg)
                             variants.append(("cuda", {"cuda_cfg": cfg, "num_splits": 2 * s0,
                                                       "label": f"{fmt}/cuda-default-x2splits"}))
                         except Exception as e:
@@ -170,7 +173,7 @@ def main() -> int:
         for d in (128, 256):
             for cfg in cfgs:
                 try:
-                    info[f"{fmt}-d{d}-{cfg}"] = pd.cuda_kernel_info(fmt, d, torch.device("cuda"), cfg=cfg)
+                    info[f"{fmt}-d{d}-{cfg}"] = pd.cuda_kernel_info(get_format(fmt), d, torch.device("cuda"), cfg=cfg)
                 except Exception as e:
                     info[f"{fmt}-d{d}-{cfg}"] = {"error": str(e)[:200]}
     res["cuda_info"] = info

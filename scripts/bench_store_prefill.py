@@ -87,6 +87,19 @@ def graph_store_us(k, v, slots, planes, store, gen, sets=4):
     return time_graph([lambda i=i: store(ks[i], vs[i], planes, ss[i]) for i in range(sets)], 60)
 
 
+def store_op(fmt, hkv, d, backend):
+    """store(k, v, planes, slots): "cuda" / "triton" by name, "auto" = what the engine's selector picks."""
+    import torch
+
+    from ninfer.attention.selector import OpContext, select_ops
+    from ninfer.kernels.store_kv import store_kv_triton
+    from ninfer.kernels.store_kv_cuda import store_kv_cuda
+    if backend == "auto":
+        return select_ops(OpContext(fmt, torch.device(DEV), torch.bfloat16, d, None, hkv, PAGE))["store"].fn
+    kernel = {"cuda": store_kv_cuda, "triton": store_kv_triton}[backend]
+    return lambda k, v, planes, slots: kernel(k, v, planes, slots, fmt)
+
+
 def store_case(fmt_name, hkv, d, tokens, bw, gen, compare_dot=True, backend="auto", pattern="pages"):
     import torch
 
@@ -96,7 +109,8 @@ def store_case(fmt_name, hkv, d, tokens, bw, gen, compare_dot=True, backend="aut
            "slots": pattern}
     fmt, k, v, slots, new_planes = store_inputs(fmt_name, hkv, d, tokens, gen, pattern)
     planes = new_planes()
-    sk.store_kv(k, v, planes, slots, fmt_name, backend=backend)
+    store = store_op(fmt, hkv, d, backend)
+    store(k, v, planes, slots)
     torch.cuda.synchronize()
     pg, off = slots // PAGE, slots % PAGE
     bad, nbytes, sbad = 0, 0, 0
@@ -111,15 +125,14 @@ def store_case(fmt_name, hkv, d, tokens, bw, gen, compare_dot=True, backend="aut
     row.update(bad=bad / nbytes, scale_mismatch=sbad, ok=bad / nbytes <= 1e-3 and sbad <= 2)
     moved = 2 * k.numel() * 2 + slots.numel() * 8 + sum(
         p.element_size() * tokens * hkv * p.shape[3] for p in planes.values())
-    us = graph_store_us(k, v, slots, planes, lambda kk, vv, pl, ss: sk.store_kv(kk, vv, pl, ss, fmt_name, backend=backend),
-                        gen)
+    us = graph_store_us(k, v, slots, planes, store, gen)
     row.update(us=us, pct_copy=100 * moved / (us * 1e-6) / bw)
     if fmt.rotated and compare_dot and backend == "triton":
         old = sk.STORE_FWHT
         try:
             sk.STORE_FWHT = False
             row["us_dot_rotation"] = graph_store_us(
-                k, v, slots, planes, lambda kk, vv, pl, ss: sk.store_kv(kk, vv, pl, ss, fmt_name, backend=backend), gen)
+                k, v, slots, planes, store, gen)
         finally:
             sk.STORE_FWHT = old
     return row
@@ -129,15 +142,14 @@ def store_latency(fmt_name, hkv, d, tokens, gen, backend):
     """A decode step's store (T = 1 or a few tokens), timed as CUDA-graph replays of 64 calls on
     distinct inputs (the engine replays it inside its decode graph; eager timing would measure
     the host's launch cost)."""
-    import ninfer.kernels.store_kv as sk
     from ninfer.bench.kernels import time_graph
 
     sets = 64
     fmt, k, v, slots, new_planes = store_inputs(fmt_name, hkv, d, tokens * sets, gen, "scattered")
     planes = new_planes()
-    calls = [lambda i=i: sk.store_kv(k[i * tokens:(i + 1) * tokens], v[i * tokens:(i + 1) * tokens], planes,
-                                     slots[i * tokens:(i + 1) * tokens], fmt_name, backend=backend)
-             for i in range(sets)]
+    store = store_op(fmt, hkv, d, backend)
+    calls = [lambda i=i: store(k[i * tokens:(i + 1) * tokens], v[i * tokens:(i + 1) * tokens], planes,
+                               slots[i * tokens:(i + 1) * tokens]) for i in range(sets)]
     return {"kind": "store_latency", "format": fmt_name, "hkv": hkv, "d": d, "tokens": tokens, "backend": backend,
             "us": time_graph(calls, 60)}
 
@@ -146,7 +158,7 @@ def prefill_case(fmt_name, hq, hkv, d, ctx, chunk, gen, sweep_until):
     import torch
 
     from ninfer.bench.kernels import random_planes
-    from ninfer.kernels.prefill import _default_tiles, fmt_code, paged_prefill, paged_prefill_ref
+    from ninfer.kernels.prefill import _default_tiles, paged_prefill_ref, paged_prefill_triton
     from ninfer.kvcache.formats import get_format
 
     fmt = get_format(fmt_name)
@@ -162,16 +174,16 @@ def prefill_case(fmt_name, hq, hkv, d, ctx, chunk, gen, sweep_until):
     out = torch.empty_like(q)
     scale = d ** -0.5
     row = {"kind": "prefill", "format": fmt_name, "hq": hq, "hkv": hkv, "d": d, "context": ctx, "chunk": chunk,
-           "default_tiles": list(_default_tiles(fmt_code(fmt), d))}
+           "default_tiles": list(_default_tiles(fmt.kernel_code, d))}
 
     def run(**kw):
-        return paged_prefill(q, kp, vp, qsl, lens, table, chunk, fmt_name, scale, out=out, **kw)
+        return paged_prefill_triton(q, kp, vp, qsl, lens, table, chunk, fmt, scale, out=out, **kw)
 
     run()
     torch.cuda.synchronize()
     n = 32  # check the last n query tokens (the ones that see every key)
     qs = torch.tensor([0, n], dtype=torch.int32, device=dev)
-    ref = paged_prefill_ref(q[-n:], kp, vp, qs, lens, table, n, fmt_name, scale,
+    ref = paged_prefill_ref(q[-n:], kp, vp, qs, lens, table, n, fmt, scale,
                             kv_round=torch.float16 if fmt.has_scales else None).float()
     got = out[-n:].float()
     rel = float((got - ref).norm() / ref.norm())

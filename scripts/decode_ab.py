@@ -87,10 +87,9 @@ def main() -> int:
             progs["old"].merge = h64_merge(c.fmt.rotated)
 
         def call(i=0):
-            return pd.paged_decode(c.q, c.kp, c.vp, c.tables[i], c.seq_lens, fmt, c.scale, out=c.outs[i],
-                                   backend="cuda")
+            return pd.paged_decode_cuda(c.q, c.kp, c.vp, c.tables[i], c.seq_lens, c.fmt, c.scale, out=c.outs[i])
         calls = [lambda i=i: call(i) for i in range(c.sets)] * max(1, 10 // c.sets)
-        ref = pd.paged_decode_ref(c.q, c.kp, c.vp, c.tables[0], c.seq_lens, fmt, c.scale)
+        ref = pd.paged_decode_ref(c.q, c.kp, c.vp, c.tables[0], c.seq_lens, c.fmt, c.scale)
         row = {"format": fmt, "geometry": f"{hq}q/{hkv}kv/D{d}", "ctx": ctx, "batch": bsz, "sets": c.sets}
         for name, prog in progs.items():
             use(prog)

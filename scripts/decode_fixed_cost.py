@@ -27,9 +27,8 @@ def main() -> int:
     p.add_argument("--rep-ms", type=int, default=60)
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    from ninfer.kernels._common import fmt_code
     from ninfer.kernels.decode_reduce import decode_reduce
-    from ninfer.kernels.paged_decode import paged_decode
+    from ninfer.kernels.paged_decode import paged_decode_cuda
     from ninfer.kernels.paged_decode_cuda import _paged_decode_cuda_split, cuda_num_splits, default_cfg
     from ninfer.kvcache.formats import get_format
 
@@ -43,9 +42,9 @@ def main() -> int:
             for fmt_name in a.formats.split(","):
                 fmt = get_format(fmt_name)
                 case = kb.DecodeCase(fmt_name, hq, hkv, d, ctx, a.batch, l2_bytes=l2)
-                code = fmt_code(fmt)
+                code = fmt.kernel_code
                 cfg = default_cfg(code, d)
-                splits = cuda_num_splits(a.batch, hkv, case.tables[0].shape[1], case.q.device, fmt_name, d,
+                splits = cuda_num_splits(a.batch, hkv, case.tables[0].shape[1], case.q.device, fmt, d,
                                          case.q.dtype, cfg)
                 mids = [(torch.empty(a.batch * hq, splits, d, device="cuda"),
                          torch.empty(a.batch * hq, splits, device="cuda")) for _ in range(case.sets)]
@@ -59,8 +58,8 @@ def main() -> int:
                     decode_reduce(mids[i][0], mids[i][1], case.outs[i].view(-1, d), rotated=False)
 
                 def full(i):
-                    paged_decode(case.q, kp, vp, case.tables[i], case.seq_lens, fmt_name, case.scale,
-                                 out=case.outs[i], backend="cuda")
+                    paged_decode_cuda(case.q, kp, vp, case.tables[i], case.seq_lens, fmt, case.scale,
+                                      out=case.outs[i])
 
                 r = {"geo": geo, "ctx": ctx, "batch": a.batch, "format": fmt_name, "splits": splits,
                      "sets": case.sets}

@@ -9,7 +9,7 @@ three layouts of one page's K/V for a KV head, on one GPU, side by side.
   scales): one 2 x 4 KB run per (page, head) at 4-bit D128.
 * ``block``: everything of a (page, head) in one run: K data | V data | K scales | V scales.
 The split kernel only needs K and V to share strides (and the scales theirs), so it runs unchanged
-on strided views; this script launches it directly (``paged_decode`` insists on contiguous planes).
+on strided views; this script launches it directly (``paged_decode_cuda`` insists on contiguous planes).
 Each layout holds the same bytes and is checked against the float64 oracle; the calls of a replay
 rotate over page sets that exceed the L2 four times (as the kernel bench), rounds alternate order.
 """
@@ -27,7 +27,6 @@ import torch  # noqa: E402
 
 from ninfer.bench.kernels import DecodeCase, time_graph  # noqa: E402
 from ninfer.kernels import paged_decode_cuda as pdc  # noqa: E402
-from ninfer.kernels._common import fmt_code  # noqa: E402
 from ninfer.kernels.decode_reduce import decode_reduce  # noqa: E402
 from ninfer.kernels.paged_decode import paged_decode_ref  # noqa: E402
 
@@ -60,18 +59,18 @@ def relayout(planes: dict, layout: str) -> dict:
 def case_rows(fmt_name: str, geom: tuple, ctx: int, bsz: int, rounds: int) -> dict:
     hq, hkv, d = geom
     c = DecodeCase(fmt_name, hq, hkv, d, ctx, bsz)
-    code = fmt_code(c.fmt)
+    code = c.fmt.kernel_code
     cfg = pdc.default_cfg(code, d)
-    splits = pdc.cuda_num_splits(bsz, hkv, c.tables[0].shape[1], c.q.device, fmt_name, d, c.q.dtype, cfg)
+    splits = pdc.cuda_num_splits(bsz, hkv, c.tables[0].shape[1], c.q.device, c.fmt, d, c.q.dtype, cfg)
     mid_o = torch.empty(bsz * hq, splits, d, dtype=torch.float32, device=c.q.device)
     mid_lse = torch.empty(bsz * hq, splits, dtype=torch.float32, device=c.q.device)
 
-    def call(pl, i):  # paged_decode's CUDA path, on planes it would not take (strided views)
+    def call(pl, i):  # paged_decode_cuda's launch, on planes it would not take (strided views)
         pdc._paged_decode_cuda_split(c.q, pl["k"], pl["k_scale"], pl["v"], pl["v_scale"], c.tables[i], c.seq_lens,
                                      mid_o, mid_lse, code, c.scale, splits, cfg)
         decode_reduce(mid_o, mid_lse, c.outs[i].view(bsz * hq, d), rotated=False)
 
-    ref = paged_decode_ref(c.q, c.kp, c.vp, c.tables[0], c.seq_lens, fmt_name, c.scale)
+    ref = paged_decode_ref(c.q, c.kp, c.vp, c.tables[0], c.seq_lens, c.fmt, c.scale)
     row = {"format": fmt_name, "geometry": f"{hq}q/{hkv}kv/D{d}", "ctx": ctx, "batch": bsz, "sets": c.sets,
            "splits": splits, "cfg": list(cfg)}
     calls = {}

@@ -36,8 +36,8 @@ def main() -> int:
             tables = {"random": c.tables, "sorted": [t.sort(dim=1).values.contiguous() for t in c.tables]}
 
             def calls(order):
-                return [lambda i=i: pd.paged_decode(c.q, c.kp, c.vp, tables[order][i], c.seq_lens, fmt, c.scale,
-                                                    out=c.outs[i], backend="cuda") for i in range(sets)]
+                return [lambda i=i: pd.paged_decode_cuda(c.q, c.kp, c.vp, tables[order][i], c.seq_lens, c.fmt,
+                                                         c.scale, out=c.outs[i]) for i in range(sets)]
             us = {"random": [], "sorted": []}
             for r in range(a.rounds):
                 for order in (("random", "sorted") if r % 2 == 0 else ("sorted", "random")):

@@ -31,7 +31,7 @@ def graph_us(fn, reps: int = 20) -> float:
 
 
 def store_rows(fmts, t: int, hkv: int, d: int) -> list[dict]:
-    from ninfer.kernels.store_kv import store_kv
+    from ninfer.attention.selector import OpContext, select_ops
     from ninfer.kvcache.formats import get_format
     rows = []
     dev = torch.device("cuda")
@@ -44,7 +44,8 @@ def store_rows(fmts, t: int, hkv: int, d: int) -> list[dict]:
         k = torch.randn(t, hkv, d, dtype=torch.bfloat16, device=dev, generator=gen)
         v = torch.randn(t, hkv, d, dtype=torch.bfloat16, device=dev, generator=gen)
         slots = torch.randperm(pages * 64, device=dev, generator=gen)[:t]
-        store_kv(k, v, planes, slots, name)
+        store_kv = select_ops(OpContext(fmt, k.device, k.dtype, k.shape[2], None, k.shape[1], 64))["store"].fn
+        store_kv(k, v, planes, slots)
         torch.cuda.synchronize()
         bad = 0
         for which, x in (("k", k), ("v", v)):
@@ -54,7 +55,7 @@ def store_rows(fmts, t: int, hkv: int, d: int) -> list[dict]:
             if sc is not None:
                 gs = planes[f"{which}_scale"][slots // 64, :, slots % 64].cpu()
                 bad += int((gs != sc).sum())
-        us = graph_us(lambda: store_kv(k, v, planes, slots, name))
+        us = graph_us(lambda: store_kv(k, v, planes, slots))
         rows.append({"kind": "store", "format": name, "tokens": t, "hkv": hkv, "d": d, "mismatches": bad, "us": us})
     return rows
 
@@ -62,8 +63,7 @@ def store_rows(fmts, t: int, hkv: int, d: int) -> list[dict]:
 def decode_rows(fmts, ctx: int, calls: int | None, geom=(32, 8, 128), variants=(None,), batch: int = 1,
                 cfg0=None) -> list[dict]:
     from ninfer.bench.kernels import DecodeCase
-    from ninfer.kernels.paged_decode import cuda_kernel_info, default_cfg, paged_decode, paged_decode_ref
-    from ninfer.kernels._common import fmt_code
+    from ninfer.kernels.paged_decode import cuda_kernel_info, default_cfg, paged_decode_cuda, paged_decode_ref
     from ninfer.kvcache.formats import get_format
     rows = []
     hq, hkv, d = geom
@@ -71,13 +71,13 @@ def decode_rows(fmts, ctx: int, calls: int | None, geom=(32, 8, 128), variants=(
         c = DecodeCase(name, hq, hkv, d, ctx, batch, 1)
         ref = None
         for var in variants:
-            cfg = cfg0 if var is None else (*default_cfg(fmt_code(get_format(name)), d)[:3], var)
+            cfg = cfg0 if var is None else (*default_cfg(get_format(name).kernel_code, d)[:3], var)
             if cfg is not None and name == "int8":
                 continue  # the control runs its default only
 
             def call():
-                return paged_decode(c.q, c.kp, c.vp, c.tables[0], c.seq_lens, name, c.scale, out=c.outs[0],
-                                    cuda_cfg=cfg, backend="cuda")
+                return paged_decode_cuda(c.q, c.kp, c.vp, c.tables[0], c.seq_lens, c.fmt, c.scale, out=c.outs[0],
+                                         cuda_cfg=cfg)
             if calls:  # under ncu: plain launches only
                 for _ in range(calls):
                     call()
@@ -86,9 +86,9 @@ def decode_rows(fmts, ctx: int, calls: int | None, geom=(32, 8, 128), variants=(
             c.outs[0].fill_(float("nan"))
             call()
             if ref is None:
-                ref = paged_decode_ref(c.q, c.kp, c.vp, c.tables[0], c.seq_lens, name, c.scale)
+                ref = paged_decode_ref(c.q, c.kp, c.vp, c.tables[0], c.seq_lens, c.fmt, c.scale)
             rel = float((c.outs[0].float() - ref).norm() / ref.norm())
-            info = cuda_kernel_info(name, d, torch.device("cuda"), cfg=cfg)
+            info = cuda_kernel_info(c.fmt, d, torch.device("cuda"), cfg=cfg)
             rows.append({"kind": "decode", "format": name, "ctx": ctx, "geometry": f"{hq}q/{hkv}kv/D{d}",
                          "variant": var, "regs": info["regs"], "blocks_per_sm": info["blocks_per_sm"],
                          "rel_err": rel, "us": graph_us(call, 10)})
@@ -100,15 +100,13 @@ def prebuild(fmts, dims, variants, programs=None) -> None:
     """nvcc every configuration of every program (default: the engine's) at once: each build takes
     seconds, the machine has cores."""
     from concurrent.futures import ThreadPoolExecutor
-
-    from ninfer.kernels._common import fmt_code
     from ninfer.kernels.paged_decode_cuda import _CUDA, _key, default_cfg
     from ninfer.kvcache.formats import get_format
     programs = list(programs or [_CUDA])
     major, minor = torch.cuda.get_device_capability()
     keys = set()  # D256 ignores the register cap: one key for both variants
     for name in fmts:
-        code = fmt_code(get_format(name))
+        code = get_format(name).kernel_code
         for d in dims:
             for var in variants:
                 cfg = default_cfg(code, d) if var is None else (*default_cfg(code, d)[:3], var)

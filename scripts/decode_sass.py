@@ -64,7 +64,6 @@ def report(src: Path, fmt_c: int, d: int, cfg: tuple) -> str:
 
 def main() -> int:
     from decode_probe import int_list
-    from ninfer.kernels._common import fmt_code
     from ninfer.kernels.paged_decode_cuda import _key
     from ninfer.kvcache.formats import get_format
     import torch
@@ -76,7 +75,7 @@ def main() -> int:
     a = p.parse_args()
     for name in a.fmt.split(","):
         for d in (int(x) for x in a.d.split(",")):
-            key = _key(fmt_code(get_format(name)), d, torch.bfloat16, a.cfg)
+            key = _key(get_format(name).kernel_code, d, torch.bfloat16, a.cfg)
             print(f"{name:9s} D{d} cfg={key[3:]}: {report(Path(a.src), key[0], d, key[3:])}")
     return 0
 

@@ -38,7 +38,6 @@ from decode_ab import program_from, use  # noqa: E402
 from ninfer.bench.kernels import DecodeCase  # noqa: E402
 from ninfer.kernels import cuda_build  # noqa: E402
 from ninfer.kernels import paged_decode_cuda as pdc  # noqa: E402
-from ninfer.kernels._common import fmt_code  # noqa: E402
 from ninfer.kvcache.formats import get_format  # noqa: E402
 
 SLOTS = 32  # uint64 per block: 0 start, 1 loop start, 2..9 warp loop ends, 12 end, 13 SM, 14 / 15 SM clock at
@@ -103,10 +102,10 @@ def iteration_medians(x: torch.Tensor) -> list[float | None]:
 
 def run_case(fmt: str, hq: int, hkv: int, d: int, ctx: int, calls: int, iters: int = 0, burst: int = 1) -> dict:
     c = DecodeCase(fmt, hq, hkv, d, ctx, 1)
-    code = fmt_code(get_format(fmt))
+    code = get_format(fmt).kernel_code
     cfg = pdc.default_cfg(code, d)
     nw = cfg[0]
-    splits = pdc.cuda_num_splits(1, hkv, c.tables[0].shape[1], c.q.device, fmt, d, c.q.dtype, cfg)
+    splits = pdc.cuda_num_splits(1, hkv, c.tables[0].shape[1], c.q.device, c.fmt, d, c.q.dtype, cfg)
     nb = splits * hkv
     ts_at = hq * splits * d  # float offsets in buf: mid_o, then SLOTS uint64 per block, then the iteration stamps
     ti_at = ts_at + nb * SLOTS * 2

@@ -19,7 +19,6 @@ from ninfer.kernels import cuda_build as cb  # noqa: E402
 from ninfer.kernels import nvrtc  # noqa: E402
 from ninfer.kernels import paged_decode as pd  # noqa: E402
 from ninfer.kernels import paged_decode_cuda as pdc  # noqa: E402
-from ninfer.kernels._common import fmt_code  # noqa: E402
 from ninfer.kvcache.formats import get_format  # noqa: E402
 
 GEOMS = ((32, 8, 128), (24, 4, 256))
@@ -39,7 +38,7 @@ def main() -> int:
     try:
         for f in FMTS:
             for _hq, _hkv, d in GEOMS:
-                info = rtc.function(pdc._key(fmt_code(get_format(f)), d, torch.bfloat16), dev)
+                info = rtc.function(pdc._key(get_format(f).kernel_code, d, torch.bfloat16), dev)
                 print("nvrtc", f, d, "regs", info[4], "blocks/SM", info[3])
     finally:
         cb.nvcc_path = real
@@ -49,9 +48,8 @@ def main() -> int:
             c = DecodeCase(f, hq, hkv, d, 131072, 1, 1)
 
             def call():
-                return pd.paged_decode(c.q, c.kp, c.vp, c.tables[0], c.seq_lens, f, c.scale, out=c.outs[0],
-                                       backend="cuda")
-            ref = pd.paged_decode_ref(c.q, c.kp, c.vp, c.tables[0], c.seq_lens, f, c.scale)
+                return pd.paged_decode_cuda(c.q, c.kp, c.vp, c.tables[0], c.seq_lens, c.fmt, c.scale, out=c.outs[0])
+            ref = pd.paged_decode_ref(c.q, c.kp, c.vp, c.tables[0], c.seq_lens, c.fmt, c.scale)
             err, us = {}, {k: [] for k in progs}
             for name, prog in progs.items():
                 use(prog)

@@ -27,7 +27,7 @@ import bench_store_prefill as b  # noqa: E402
 from ninfer.bench.kernels import copy_bandwidth  # noqa: E402
 from ninfer.kernels import store_kv_cuda as sc  # noqa: E402
 from ninfer.kernels.cuda_build import CudaProgram  # noqa: E402
-from ninfer.kernels.store_kv import store_kv  # noqa: E402
+from ninfer.kernels.store_kv import store_kv_triton  # noqa: E402
 
 
 def program(src: str | None) -> CudaProgram:
@@ -41,9 +41,8 @@ def program(src: str | None) -> CudaProgram:
 def run_store(prog, fmt, k, v, planes, slots):
     saved, sc._STORE = sc._STORE, prog
     try:
-        from ninfer.kernels._common import fmt_code
-        sc.store_kv_cuda(k, v, planes["k"].view(torch.int32), planes["k_scale"], planes["v"].view(torch.int32),
-                         planes["v_scale"], slots, fmt_code(fmt), float(fmt.scale_divisor), b.PAGE)
+        sc.launch_store_kv_cuda(k, v, planes["k"].view(torch.int32), planes["k_scale"], planes["v"].view(torch.int32),
+                                planes["v_scale"], slots, fmt.kernel_code, float(fmt.scale_divisor), b.PAGE)
     finally:
         sc._STORE = saved
 
@@ -70,7 +69,7 @@ def main() -> None:
         _fmt, k, v, slots, newp = b.store_inputs(name, 8, 128, int(a.tokens.split(",")[0]), gen, "pages")
         planes = newp()
         for _ in range(3):
-            store_kv(k, v, planes, slots, name)
+            sc.store_kv_cuda(k, v, planes, slots, _fmt)
         torch.cuda.synchronize()
         return
     progs = {"old": program(a.old), "new": program(a.new)}
@@ -82,7 +81,7 @@ def main() -> None:
             for tokens in (int(t) for t in a.tokens.split(",")):
                 fmt, k, v, slots, newp = b.store_inputs(name, hkv, d, tokens, gen, "pages")
                 tri = newp()
-                store_kv(k, v, tri, slots, name, backend="triton")
+                store_kv_triton(k, v, tri, slots, fmt)
                 got = newp()
                 run_store(progs["new"], fmt, k, v, got, slots)
                 torch.cuda.synchronize()

@@ -14,13 +14,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_store_prefill as b
 from ninfer.kernels import store_kv_cuda as sc
-from ninfer.kernels._common import FMT_E8, FMT_RK4
-from ninfer.kernels.store_kv import store_kv
+from ninfer.kernels.store_kv import store_kv_triton
 gen = torch.Generator(device="cuda").manual_seed(0)
-for name, code in (("rk4v4-e8", FMT_E8), ("rk4v4", FMT_RK4)):
+for name in ("rk4v4-e8", "rk4v4"):
     fmt, k, v, slots, newp = b.store_inputs(name, 8, 128, 16384, gen, "pages")
+    code = fmt.kernel_code
     ref = newp()
-    store_kv(k, v, ref, slots, name, backend="triton")
+    store_kv_triton(k, v, ref, slots, fmt)
     refb = torch.cat([p.view(torch.uint8).flatten() for p in ref.values()])
     for minb in [int(x) for x in sys.argv[1:]] or (1, 4, 6, 8):
         variant = {"KV_ROWS_MINB": minb}
@@ -29,8 +29,9 @@ for name, code in (("rk4v4-e8", FMT_E8), ("rk4v4", FMT_RK4)):
         pl = newp()
 
         def store(kk, vv, planes, ss):
-            sc.store_kv_cuda(kk, vv, planes["k"].view(torch.int32), planes["k_scale"], planes["v"].view(torch.int32),
-                             planes["v_scale"], ss, code, float(fmt.scale_divisor), b.PAGE, variant)
+            sc.launch_store_kv_cuda(kk, vv, planes["k"].view(torch.int32), planes["k_scale"],
+                                    planes["v"].view(torch.int32), planes["v_scale"], ss, code,
+                                    float(fmt.scale_divisor), b.PAGE, variant)
         store(k, v, pl, slots)
         torch.cuda.synchronize()
         got = torch.cat([p.view(torch.uint8).flatten() for p in pl.values()])

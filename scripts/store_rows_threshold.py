@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_store_prefill as b  # noqa: E402
 from store_ab import planes_bytes  # noqa: E402
 from ninfer.kernels import store_kv_cuda as sc  # noqa: E402
-from ninfer.kernels.store_kv import store_kv  # noqa: E402
+from ninfer.kernels.store_kv import store_kv_triton  # noqa: E402
 
 KERNELS = {"lanes": 1 << 30, "rows": 1}  # ROWS_MIN_GROUPS that forces each kernel
 
@@ -39,12 +39,12 @@ def main() -> None:
         for tokens in (int(t) for t in a.tokens.split(",")):
             fmt, k, v, slots, newp = b.store_inputs(name, 8, 128, tokens, gen, "pages")
             tri = newp()
-            store_kv(k, v, tri, slots, name, backend="triton")
+            store_kv_triton(k, v, tri, slots, fmt)
             ref = planes_bytes(tri)
 
             def store(kk, vv, planes, ss, kern):
                 sc.ROWS_MIN_GROUPS = KERNELS[kern]
-                store_kv(kk, vv, planes, ss, name)
+                sc.store_kv_cuda(kk, vv, planes, ss, fmt)
             bad = {}
             for kern in KERNELS:
                 pl = newp()

@@ -11,14 +11,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_store_prefill as b
 from ninfer.kernels import store_kv_cuda as sc
-from ninfer.kernels._common import FMT_E8
 gen = torch.Generator(device="cuda").manual_seed(0)
 sms = torch.cuda.get_device_properties(0).multi_processor_count
 for tokens in [int(x) for x in sys.argv[1:]]:
     fmt, k, v, slots, newp = b.store_inputs("rk4v4-e8", 8, 128, tokens, gen, "pages")
     def store(kk, vv, planes, ss):
-        sc.store_kv_cuda(kk, vv, planes["k"].view(torch.int32), planes["k_scale"], planes["v"].view(torch.int32),
-                         planes["v_scale"], ss, FMT_E8, float(fmt.scale_divisor), b.PAGE)
+        sc.launch_store_kv_cuda(kk, vv, planes["k"].view(torch.int32), planes["k_scale"], planes["v"].view(torch.int32),
+                                planes["v_scale"], ss, fmt.kernel_code, float(fmt.scale_divisor), b.PAGE)
     us = [b.graph_store_us(k, v, slots, newp(), store, gen) for _ in range(3)]
     us = sorted(us)[1]
     waves = tokens * 8 * 2 * 2 / (sms * 6 * 128)

@@ -48,7 +48,7 @@ def main() -> int:
     props = torch.cuda.get_device_properties(0)
     l2 = int(getattr(props, "L2_cache_size", 50 << 20))
     cache = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    from ninfer.kernels.paged_decode import paged_decode
+    from ninfer.kernels.paged_decode import paged_decode_cuda
     from ninfer.kvcache.formats import get_format
     rows = []
     for geo in ("24q4kv-d256", "32q8kv-d128"):
@@ -56,8 +56,8 @@ def main() -> int:
         for bsz in [int(x) for x in a.batch.split(",")]:
             for fmt in ("int8", "rk4v4", "rk4v4-e8"):
                 case = kb.DecodeCase(fmt, hq, hkv, d, a.ctx, bsz, l2_bytes=l2)
-                calls = [lambda i=i: paged_decode(case.q, case.kp, case.vp, case.tables[i], case.seq_lens, fmt,
-                                                  case.scale, out=case.outs[i], backend="cuda")
+                calls = [lambda i=i: paged_decode_cuda(case.q, case.kp, case.vp, case.tables[i], case.seq_lens,
+                                                       case.fmt, case.scale, out=case.outs[i])
                          for i in range(case.sets)]
                 g = kb.capture_graph(calls)
                 r = {"kind": "decode", "format": fmt, "geo": geo, "batch": bsz, "sets": case.sets,
@@ -90,7 +90,7 @@ def main() -> int:
                 print(r, flush=True)
                 kv = None
                 torch.cuda.empty_cache()
-    from ninfer.kernels.store_kv import store_kv
+    from ninfer.attention.selector import OpContext, select_ops
     for fmt in ("int8", "rk4v4", "rk4v4-e8"):
         tokens, hkv, d, sets = 16384, 8, 128, 8
         num_pages = tokens // kb.PAGE * 8
@@ -99,8 +99,10 @@ def main() -> int:
         ks = [torch.randn(tokens, hkv, d, dtype=torch.bfloat16, device="cuda") for _ in range(sets)]
         vs = [torch.randn(tokens, hkv, d, dtype=torch.bfloat16, device="cuda") for _ in range(sets)]
         slots = [kb.store_slots(tokens, num_pages, "pages") for _ in range(sets)]
+        store_kv = select_ops(OpContext(get_format(fmt), torch.device("cuda"), torch.bfloat16, d, None, hkv,
+                                        kb.PAGE))["store"].fn
         for n_sets in (8, 1):
-            g = kb.capture_graph([lambda i=i: store_kv(ks[i], vs[i], planes, slots[i], fmt) for i in range(n_sets)])
+            g = kb.capture_graph([lambda i=i: store_kv(ks[i], vs[i], planes, slots[i]) for i in range(n_sets)])
             r = {"kind": "store", "format": fmt, "geo": "8kv/D128", "tokens": tokens, "sets": n_sets,
                  **measure(g, n_sets, cache, a.rep_ms, a.rounds)}
             rows.append(r)

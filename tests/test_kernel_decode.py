@@ -1,4 +1,4 @@
-"""Paged decode kernel (ninfer/kernels/paged_decode.py) vs its torch oracle, on CPU.
+"""Paged decode kernels (ninfer/kernels/paged_decode.py) vs their torch oracle, on CPU.
 
 How the interpreter is enabled: Triton decides at ``@triton.jit`` time (module import) whether a
 kernel is interpreted, and other test modules may already have imported Triton or the kernel
@@ -49,7 +49,7 @@ TOL = {"auto": 2e-2, "bf16": 2e-2}
 def _run_case(name, fmt_name, hq, hkv, d, lens, page, splits, seed):
     import torch
 
-    from ninfer.kernels.paged_decode import paged_decode, paged_decode_ref
+    from ninfer.kernels.paged_decode import paged_decode_ref, paged_decode_triton
     from ninfer.kvcache.formats import get_format
 
     fmt = get_format(fmt_name)
@@ -84,8 +84,8 @@ def _run_case(name, fmt_name, hq, hkv, d, lens, page, splits, seed):
     scale = d ** -0.5
     kp = (planes["k"], planes.get("k_scale"))
     vp = (planes["v"], planes.get("v_scale"))
-    paged_decode(q, kp, vp, bt, seq_lens, fmt_name, scale, num_splits=splits, out=out)
-    ref = paged_decode_ref(q, kp, vp, bt, seq_lens, fmt_name, scale)
+    paged_decode_triton(q, kp, vp, bt, seq_lens, fmt, scale, num_splits=splits, out=out)
+    ref = paged_decode_ref(q, kp, vp, bt, seq_lens, fmt, scale)
     o = out.to(torch.float32)
     finite = bool(torch.isfinite(o).all())
     rel = float((o - ref).norm() / ref.norm().clamp_min(1e-30)) if finite else float("nan")
@@ -112,21 +112,29 @@ def test_paged_decode_matches_reference(results, case):
 def test_wrapper_rejects_bad_shapes():
     import torch
 
-    from ninfer.kernels.paged_decode import paged_decode
+    from ninfer.kernels.paged_decode import paged_decode_cuda, paged_decode_triton as paged_decode
+    from ninfer.kvcache.formats import get_format
 
+    e8, int8 = get_format("rk4v4-e8"), get_format("int8")
     q = torch.zeros(1, 4, 128, dtype=torch.bfloat16)
     k = torch.zeros(2, 1, 64, 64, dtype=torch.uint8)
     ks = torch.zeros(2, 1, 64, 2, dtype=torch.float16)
     bt = torch.zeros(1, 2, dtype=torch.int32)
     sl = torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError):
-        paged_decode(q, (k, ks), (k, ks), bt, sl.long(), "rk4v4-e8", 0.1)  # seq_lens dtype
+        paged_decode(q, (k, ks), (k, ks), bt, sl.long(), e8, 0.1)  # seq_lens dtype
     with pytest.raises(ValueError):
-        paged_decode(q, (k, None), (k, ks), bt, sl, "rk4v4-e8", 0.1)  # missing scale
+        paged_decode(q, (k, None), (k, ks), bt, sl, e8, 0.1)  # missing scale
     with pytest.raises(ValueError):
-        paged_decode(q, (k.view(torch.int8), ks), (k, ks), bt, sl, "rk4v4-e8", 0.1)  # dtype
+        paged_decode(q, (k.view(torch.int8), ks), (k, ks), bt, sl, e8, 0.1)  # dtype
     with pytest.raises(ValueError):
-        paged_decode(q[:, :3], (k, ks), (k, ks), bt, sl, "int8", 0.1)  # int8 extent is D
+        paged_decode(q[:, :3], (k, ks), (k, ks), bt, sl, int8, 0.1)  # int8 extent is D
+    with pytest.raises(TypeError, match="format object"):
+        paged_decode(q, (k, ks), (k, ks), bt, sl, "rk4v4-e8", 0.1)  # a name, not the format
+    with pytest.raises(ValueError, match="paged_decode_cuda: not on CUDA"):
+        paged_decode_cuda(q, (k, ks), (k, ks), bt, sl, e8, 0.1)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_decode(q, (k, ks), (k, ks), bt, sl, e8, 0.1, num_splits=0)
 
 
 # ----------------------------------------------------------------------------- CUDA path arithmetic
@@ -366,10 +374,11 @@ def test_cuda_path_reports_why_not_on_cpu():
     import torch
 
     from ninfer.kernels.paged_decode import cuda_path_supported
+    from ninfer.kvcache.formats import get_format
 
     q = torch.zeros(1, 4, 128)
-    assert cuda_path_supported(q, torch.zeros(1, 1, 64, 64, dtype=torch.uint8), "rk4v4-e8") == "not on CUDA"
-    assert "no CUDA path" in cuda_path_supported(q, torch.zeros(1, 1, 64, 128), "bf16")
+    assert cuda_path_supported(q, torch.zeros(1, 1, 64, 64, dtype=torch.uint8), get_format("rk4v4-e8")) == "not on CUDA"
+    assert "no CUDA path" in cuda_path_supported(q, torch.zeros(1, 1, 64, 128), get_format("bf16"))
 
 
 if __name__ == "__main__" and "--child" in sys.argv:
@@ -388,7 +397,7 @@ def test_cuda_path_matches_oracle_with_growing_scores(fmt_name):
     import torch
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from ninfer.kernels.paged_decode import cuda_path_supported, paged_decode, paged_decode_ref
+    from ninfer.kernels.paged_decode import cuda_path_supported, paged_decode_cuda, paged_decode_ref
     from ninfer.kvcache.formats import get_format
 
     fmt = get_format(fmt_name)
@@ -425,12 +434,12 @@ def test_cuda_path_matches_oracle_with_growing_scores(fmt_name):
                     planes[key][last, :, n % page:] = float("nan")
         qd, tb, sl = q.to(dev, torch.bfloat16), tables.to(dev), torch.tensor(lens, dtype=torch.int32, device=dev)
         kp, vp = (planes["k"], planes.get("k_scale")), (planes["v"], planes.get("v_scale"))
-        why = cuda_path_supported(qd, planes["k"], fmt_name)
+        why = cuda_path_supported(qd, planes["k"], fmt)
         if why is not None:
             pytest.skip(f"CUDA path unavailable: {why}")
-        ref = paged_decode_ref(qd, kp, vp, tb, sl, fmt_name, d ** -0.5).double()
+        ref = paged_decode_ref(qd, kp, vp, tb, sl, fmt, d ** -0.5).double()
         for splits in (None, 1, 7):  # 7: more splits than some sequences have pages (empty splits)
-            out = paged_decode(qd, kp, vp, tb, sl, fmt_name, d ** -0.5, backend="cuda", num_splits=splits)
+            out = paged_decode_cuda(qd, kp, vp, tb, sl, fmt, d ** -0.5, num_splits=splits)
             rel = float((out.double() - ref).norm() / ref.norm())
             assert torch.isfinite(out).all() and rel < 1e-2, f"{fmt_name} case {seed} splits {splits}: rel err {rel:.3e}"
             assert all(bool((out[b] == 0).all()) for b, n in enumerate(lens) if n == 0)
@@ -443,7 +452,6 @@ def test_cuda_kernel_compiles_for_sm90(tmp_path, monkeypatch, compiler):
     the CUDA toolkit uses: the library torch's CUDA wheels install); no GPU needed. A compiler that
     is not installed skips (CI installs NVRTC with the test extras)."""
     from ninfer.kernels import cuda_build, nvrtc
-    from ninfer.kernels._common import fmt_code
     from ninfer.kernels.paged_decode_cuda import _CUDA, _key
     from ninfer.kvcache.formats import get_format
 
@@ -458,7 +466,7 @@ def test_cuda_kernel_compiles_for_sm90(tmp_path, monkeypatch, compiler):
     monkeypatch.setenv("NINFER_CACHE_DIR", str(tmp_path))
     for name in ("int8", "rk4v4", "rk4v4-e8"):
         for d in (64, 128, 256):
-            cubin = _CUDA.build(_key(fmt_code(get_format(name)), d, torch.bfloat16), "sm_90")
+            cubin = _CUDA.build(_key(get_format(name).kernel_code, d, torch.bfloat16), "sm_90")
             assert cubin.is_file() and cubin.stat().st_size > 10_000, (name, d)
 
 
@@ -525,14 +533,13 @@ def test_default_configs_fit_in_shared_memory():
     """Every format and head dim's default configuration fits its blocks per SM in an H100/H200 SM's
     shared memory (a configuration that does not fails only at launch, on a GPU)."""
     import torch
-    from ninfer.kernels._common import fmt_code
     from ninfer.kernels.paged_decode_cuda import _cuda_smem_bytes, _key
     from ninfer.kvcache.formats import get_format
 
     per_block_max, per_sm = 227 * 1024, 228 * 1024  # sm_90 opt-in limit; 1 KiB of each block is reserved
     for name in ("int8", "rk4v4", "rk4v4-e8"):
         for d in (128, 256):
-            key = _key(fmt_code(get_format(name)), d, torch.bfloat16)
+            key = _key(get_format(name).kernel_code, d, torch.bfloat16)
             nw, minb, g = key[3], key[6], d // 64
             static = 8 * d * 4 + 2 * nw * 8 * 4 + 8 * g * 4 + 8 * g * 16 * 2  # q_s, m_s + l_s, c_s, wf_s
             total = _cuda_smem_bytes(key) + static
@@ -565,7 +572,7 @@ def test_long_split_matches_oracle(fmt_name, backend):
     import torch
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from ninfer.kernels.paged_decode import cuda_path_supported, paged_decode, paged_decode_ref
+    from ninfer.kernels.paged_decode import cuda_path_supported, paged_decode_cuda, paged_decode_ref, paged_decode_triton
     from ninfer.kernels.paged_decode_cuda import cuda_q_as_rounded
     from ninfer.kvcache.formats import get_format
 
@@ -581,17 +588,18 @@ def test_long_split_matches_oracle(fmt_name, backend):
     q = torch.randn(1, hq, d, device=dev, generator=gen).to(torch.bfloat16)
     sl = torch.tensor([n], dtype=torch.int32, device=dev)
     kp, vp = (planes["k"], planes["k_scale"]), (planes["v"], planes["v_scale"])
-    if backend == "cuda" and (why := cuda_path_supported(q, planes["k"], fmt_name)) is not None:
+    if backend == "cuda" and (why := cuda_path_supported(q, planes["k"], fmt)) is not None:
         pytest.skip(f"CUDA path unavailable: {why}")
     rounded_q = backend == "cuda" and fmt.rotated
     q_ref = cuda_q_as_rounded(q) if rounded_q else q
-    ref = paged_decode_ref(q_ref, kp, vp, tables, sl, fmt_name, d ** -0.5).double()
-    out = paged_decode(q, kp, vp, tables, sl, fmt_name, d ** -0.5, backend=backend, num_splits=1)
+    ref = paged_decode_ref(q_ref, kp, vp, tables, sl, fmt, d ** -0.5).double()
+    decode = paged_decode_cuda if backend == "cuda" else paged_decode_triton
+    out = decode(q, kp, vp, tables, sl, fmt, d ** -0.5, num_splits=1)
     rel = float((out.double() - ref).norm() / ref.norm())
     print(f"{fmt_name} {backend}: rel err {rel:.3e}")
     assert torch.isfinite(out).all() and rel < 5e-3, f"{fmt_name} {backend}: rel err {rel:.3e}"
     if rounded_q:  # the rounding's own share, against the exact Q
-        exact = paged_decode_ref(q, kp, vp, tables, sl, fmt_name, d ** -0.5).double()
+        exact = paged_decode_ref(q, kp, vp, tables, sl, fmt, d ** -0.5).double()
         rel_q = float((out.double() - exact).norm() / exact.norm())
         print(f"{fmt_name} {backend}: rel err against the exact Q {rel_q:.3e}")
         assert rel_q < 1.5e-2, f"{fmt_name} {backend}: rel err against the exact Q {rel_q:.3e}"

@@ -39,7 +39,7 @@ CASES.append(("rk4v4-e8-gqa4-d128-batch", "rk4v4-e8", 8, 2, 128, [(130, 7), (0, 
 CASES.append(("rk4v4-e8-gqa8-d64-tiles", "rk4v4-e8", 8, 1, 64, [(0, 40)], 4))
 CASES.append(("int8-gqa4-d64-tiles", "int8", 4, 1, 64, [(10, 40)], 5))
 CASES.append(("rk4v4-gqa6-d256-prefix", "rk4v4", 12, 2, 256, [(100, 5)], 6))
-# explicit tilings (kwargs of paged_prefill): several KV tiles per page, several query tiles
+# explicit tilings (kwargs of paged_prefill_triton): several KV tiles per page, several query tiles
 CASES.append(("rk4v4-e8-gqa6-d128-tiles16", "rk4v4-e8", 6, 1, 128, [(40, 30)], 7,
               {"block_m": 16, "block_n": 16, "num_warps": 2}))
 CASES.append(("int8-gqa4-d256-bm128", "int8", 8, 2, 256, [(3, 33), (70, 2)], 8, {"block_m": 128, "block_n": 32}))
@@ -51,7 +51,7 @@ CASES.append(("int8-gqa4-d128-bn16", "int8", 4, 1, 128, [(50, 30)], 10, {"block_
 def _run_case(name, fmt_name, hq, hkv, d, seqs, seed, tiling=None):
     import torch
 
-    from ninfer.kernels.prefill import paged_prefill, paged_prefill_ref
+    from ninfer.kernels.prefill import paged_prefill_ref, paged_prefill_triton as paged_prefill
     from ninfer.kvcache.formats import get_format
 
     fmt = get_format(fmt_name)
@@ -92,13 +92,13 @@ def _run_case(name, fmt_name, hq, hkv, d, seqs, seed, tiling=None):
     vp = (planes["v"], planes.get("v_scale"))
     out = torch.full((t, hq, d), float("nan"), dtype=model_dtype)
     scale = d ** -0.5
-    args = (q, kp, vp, qsl, sl, bt, max(qlens), fmt_name, scale)
+    args = (q, kp, vp, qsl, sl, bt, max(qlens), fmt, scale)
     paged_prefill(*args, out=out, exact_dots=True, **(tiling or {}))
     gpu = paged_prefill(*args, **(tiling or {})).float() if fmt.has_scales else None
     # The kernel's scaled-format tiles are fp16 s*code (one rounding): the tight reference rounds alike.
-    ref = paged_prefill_ref(q.float(), kp, vp, qsl, sl, bt, max(qlens), fmt_name, scale,
+    ref = paged_prefill_ref(q.float(), kp, vp, qsl, sl, bt, max(qlens), fmt, scale,
                             kv_round=torch.float16 if fmt.has_scales else None)
-    exact = paged_prefill_ref(q.float(), kp, vp, qsl, sl, bt, max(qlens), fmt_name, scale)
+    exact = paged_prefill_ref(q.float(), kp, vp, qsl, sl, bt, max(qlens), fmt, scale)
     o = out.float()
     finite = bool(torch.isfinite(o).all())
     excess = float(((o - ref).abs() - (2.0 ** -8 * ref.abs() + 1e-5)).max()) if finite else float("nan")
@@ -149,7 +149,10 @@ def test_word_order_matches_the_nibble_layout():
 def test_paged_prefill_rejects_bad_inputs():
     import torch
 
-    from ninfer.kernels.prefill import paged_prefill
+    from ninfer.kernels.prefill import paged_prefill_triton as paged_prefill
+    from ninfer.kvcache.formats import get_format
+
+    e8, int8 = get_format("rk4v4-e8"), get_format("int8")
 
     q = torch.zeros(3, 4, 128, dtype=torch.bfloat16)
     k = torch.zeros(2, 2, 64, 64, dtype=torch.uint8)
@@ -158,15 +161,15 @@ def test_paged_prefill_rejects_bad_inputs():
     sl = torch.tensor([3], dtype=torch.int32)
     bt = torch.zeros(1, 1, dtype=torch.int32)
     with pytest.raises(ValueError):
-        paged_prefill(q, (k, None), (k, ks), qsl, sl, bt, 3, "rk4v4-e8", 0.1)  # missing scale
+        paged_prefill(q, (k, None), (k, ks), qsl, sl, bt, 3, e8, 0.1)  # missing scale
     with pytest.raises(ValueError):
-        paged_prefill(q[:, :3], (k, ks), (k, ks), qsl, sl, bt, 3, "rk4v4-e8", 0.1)  # 3 q heads, 2 kv heads
+        paged_prefill(q[:, :3], (k, ks), (k, ks), qsl, sl, bt, 3, e8, 0.1)  # 3 q heads, 2 kv heads
     with pytest.raises(ValueError):
-        paged_prefill(q, (k, ks), (k, ks), qsl, sl, bt, 3, "int8", 0.1)  # int8 extent is D
+        paged_prefill(q, (k, ks), (k, ks), qsl, sl, bt, 3, int8, 0.1)  # int8 extent is D
     with pytest.raises(ValueError):
-        paged_prefill(q, (k, ks), (k, ks), qsl[:1], sl, bt, 3, "rk4v4-e8", 0.1)  # query_start_loc
+        paged_prefill(q, (k, ks), (k, ks), qsl[:1], sl, bt, 3, e8, 0.1)  # query_start_loc
     with pytest.raises(ValueError):
-        paged_prefill(q, (k, ks), (k, ks), qsl, sl.long(), bt, 3, "rk4v4-e8", 0.1)  # seq_lens dtype
+        paged_prefill(q, (k, ks), (k, ks), qsl, sl.long(), bt, 3, e8, 0.1)  # seq_lens dtype
 
 
 if __name__ == "__main__" and "--child" in sys.argv:

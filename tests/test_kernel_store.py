@@ -3,7 +3,7 @@
 Interpreter: every kernel check runs in one child process with ``TRITON_INTERPRET=1``
 (tests/triton_interp.py says why and how).
 
-What a case checks: planes start poisoned with random bytes; ``store_kv`` and the reference
+What a case checks: planes start poisoned with random bytes; ``store_kv_triton`` and the reference
 (``fmt.encode`` + scatter) write the same slots; every plane must be byte-identical afterwards
 (so -1 slots and all other slots stay untouched). Inputs: fresh random values whose rotation is
 exact in float32 in any summation order (k/32 times a power-of-two scale per group), so
@@ -65,10 +65,11 @@ def _ties(gen, fmt, shape):
     return x.to(torch.float32)
 
 
-def _run_case(name, fmt_name, kind, t, hkv, d, dtype_name, seed, block_t=None, device="cpu", backend="auto"):
+def _run_case(name, fmt_name, kind, t, hkv, d, dtype_name, seed, block_t=None, device="cpu", backend="triton"):
     import torch
 
-    from ninfer.kernels.store_kv import store_kv
+    from ninfer.kernels.store_kv import store_kv_triton
+    from ninfer.kernels.store_kv_cuda import store_kv_cuda
     from ninfer.kvcache.formats import get_format
 
     fmt = get_format(fmt_name)
@@ -108,7 +109,10 @@ def _run_case(name, fmt_name, kind, t, hkv, d, dtype_name, seed, block_t=None, d
         ref[pl.name] = raw.view(pl.dtype).clone()
     dev = {n: p.to(device) for n, p in planes.items()}
     fused = fused.to(device)
-    store_kv(fused[:, 1], fused[:, 2], dev, slots.to(device), fmt_name, block_t=block_t, backend=backend)
+    if backend == "cuda":
+        store_kv_cuda(fused[:, 1], fused[:, 2], dev, slots.to(device), fmt)
+    else:
+        store_kv_triton(fused[:, 1], fused[:, 2], dev, slots.to(device), fmt, block_t=block_t)
     planes = {n: p.cpu() for n, p in dev.items()}
     keep = slots >= 0
     pg, off = slots[keep] // page, slots[keep] % page
@@ -138,35 +142,39 @@ def test_store_kv_bit_exact(results, case):
 def test_store_kv_rejects_bad_inputs():
     import torch
 
-    from ninfer.kernels.store_kv import store_kv
+    from ninfer.kernels.store_kv import store_kv_triton as store_kv
+    from ninfer.kernels.store_kv_cuda import store_kv_cuda
+    from ninfer.kvcache.formats import get_format
 
+    e8, rk4, int8 = get_format("rk4v4-e8"), get_format("rk4v4"), get_format("int8")
     k = torch.zeros(3, 2, 128, dtype=torch.bfloat16)
     planes = {"k": torch.zeros(2, 2, 64, 64, dtype=torch.uint8), "v": torch.zeros(2, 2, 64, 64, dtype=torch.uint8),
               "k_scale": torch.zeros(2, 2, 64, 2, dtype=torch.float16),
               "v_scale": torch.zeros(2, 2, 64, 2, dtype=torch.float16)}
     slots = torch.arange(3)
     with pytest.raises(ValueError):
-        store_kv(k, k[:, :1], planes, slots, "rk4v4-e8")  # k/v shapes
+        store_kv(k, k[:, :1], planes, slots, e8)  # k/v shapes
     with pytest.raises(ValueError):
-        store_kv(k, k, planes, slots[:2], "rk4v4-e8")  # slot count
+        store_kv(k, k, planes, slots[:2], e8)  # slot count
     with pytest.raises(ValueError):
-        store_kv(k, k, planes, slots.float(), "rk4v4-e8")  # slot dtype
+        store_kv(k, k, planes, slots.float(), e8)  # slot dtype
     with pytest.raises(ValueError):
-        store_kv(k, k, {**planes, "k": planes["k"].view(torch.int8)}, slots, "rk4v4-e8")  # plane dtype
+        store_kv(k, k, {**planes, "k": planes["k"].view(torch.int8)}, slots, e8)  # plane dtype
     with pytest.raises(ValueError):
-        store_kv(k, k, planes, slots, "int8")  # int8 extent is D, not D/2
+        store_kv(k, k, planes, slots, int8)  # int8 extent is D, not D/2
     with pytest.raises(ValueError):
-        store_kv(k, k, {"k": planes["k"], "v": planes["v"]}, slots, "rk4v4")  # scales missing
+        store_kv(k, k, {"k": planes["k"], "v": planes["v"]}, slots, rk4)  # scales missing
+    with pytest.raises(TypeError, match="format object"):
+        store_kv(k, k, planes, slots, "rk4v4-e8")  # a name, not the format
     with pytest.raises(ValueError):
-        store_kv(k, k, planes, slots, "rk2v4-e8")  # refused format
+        store_kv(k, k, planes, slots, e8, block_t=24)  # not a power of 2
     with pytest.raises(ValueError):
-        store_kv(k, k, planes, slots, "rk4v4-e8", block_t=24)  # not a power of 2
-    with pytest.raises(ValueError):
-        store_kv(k, k, planes, slots, "rk4v4-e8", num_warps=3)
-    with pytest.raises(ValueError, match="backend"):
-        store_kv(k, k, planes, slots, "rk4v4-e8", backend="cudnn")
-    with pytest.raises(ValueError, match="CUDA store unavailable: not on CUDA"):
-        store_kv(k, k, planes, slots, "rk4v4-e8", backend="cuda")
+        store_kv(k, k, planes, slots, e8, num_warps=3)
+    with pytest.raises(ValueError, match="store_kv_cuda: not on CUDA"):
+        store_kv_cuda(k, k, planes, slots, e8)
+    with pytest.raises(ValueError, match="store_kv_cuda: format int8 has no CUDA store"):
+        store_kv_cuda(k, k, {n: torch.zeros(2, 2, 64, 128 if n in "kv" else 2, dtype=torch.int8 if n in "kv"
+                                            else torch.float16) for n in planes}, slots, int8)
     assert all(int(p.view(torch.uint8).count_nonzero()) == 0 for p in planes.values())  # nothing written
 
 

@@ -320,41 +320,47 @@ def test_cuda_path_reasons(monkeypatch):
     from ninfer.kernels import paged_decode_cuda as pdc
     from ninfer.kernels.paged_decode_cuda import cuda_decode_unsupported
     from ninfer.kernels.store_kv_cuda import cuda_store_unsupported
+    from ninfer.kvcache.formats import get_format as F
 
     monkeypatch.setattr(pdc, "_capability", lambda device: (9, 0))
     cpu, gpu, bf = torch.device("cpu"), torch.device("cuda"), torch.bfloat16
-    assert cuda_decode_unsupported("bf16", gpu, bf, 128, 32, 8, 64) == "format bf16 has no CUDA path"
-    assert cuda_decode_unsupported("rk4v4-e8", cpu, bf, 128, 32, 8, 64) == "not on CUDA"
-    assert cuda_decode_unsupported("rk4v4-e8", gpu, bf, 96, 32, 8, 64).startswith("head_dim 96")
-    assert cuda_decode_unsupported("rk4v4-e8", gpu, bf, 128, 32, 2, 64) == "GQA group 16 > 8"
-    assert cuda_decode_unsupported("int8", gpu, torch.float32, 128, 32, 8, 64) == "q dtype torch.float32"
+    assert cuda_decode_unsupported(F("bf16"), gpu, bf, 128, 32, 8, 64) == "format bf16 has no CUDA path"
+    assert cuda_decode_unsupported(F("rk4v4-e8"), cpu, bf, 128, 32, 8, 64) == "not on CUDA"
+    assert cuda_decode_unsupported(F("rk4v4-e8"), gpu, bf, 96, 32, 8, 64) == "head_dim 96: CUDA path needs 128 or 256"
+    assert cuda_decode_unsupported(F("rk4v4-e8"), gpu, bf, 128, 32, 2, 64) == "GQA group 16 > 8"
+    assert cuda_decode_unsupported(F("int8"), gpu, torch.float32, 128, 32, 8, 64) == "q dtype torch.float32"
     monkeypatch.setattr(pdc, "_capability", lambda device: (7, 5))
-    assert cuda_decode_unsupported("int8", gpu, bf, 128, 32, 8, 64) == "needs sm_80+"
-    assert cuda_store_unsupported("int8", gpu, bf, 128) == "format int8 has no CUDA store"
-    assert cuda_store_unsupported("rk4v4-e8", cpu, bf, 256) == "not on CUDA"
-    assert cuda_store_unsupported("rk4v4", gpu, torch.float32, 128) == "input dtype torch.float32"
-    assert cuda_store_unsupported("rk4v4-e8", gpu, bf, 192).startswith("head_dim 192")
+    assert cuda_decode_unsupported(F("int8"), gpu, bf, 128, 32, 8, 64) == "needs sm_80+"
+    assert cuda_store_unsupported(F("int8"), gpu, bf, 128) == "format int8 has no CUDA store"
+    assert cuda_store_unsupported(F("rk4v4-e8"), cpu, bf, 256) == "not on CUDA"
+    assert cuda_store_unsupported(F("rk4v4"), gpu, torch.float32, 128) == "input dtype torch.float32"
+    assert cuda_store_unsupported(F("rk4v4-e8"), gpu, bf, 192).startswith("head_dim 192")
 
 
-def test_triton_backend_reports_its_kernel_paths(monkeypatch):
-    """The startup line on a CUDA machine, computed without one (capability and compilers stubbed)."""
+def test_kernel_backend_reports_its_kernel_paths(monkeypatch):
+    """The startup line on a CUDA machine, computed without one (capability, compilers and kernel
+    loading stubbed): store, decode, prefill in that order, with the reason a CUDA path is passed over."""
     from types import SimpleNamespace
 
-    from ninfer.attention.triton_backend import TritonAttentionBackend
+    from ninfer.attention.triton_backend import KernelAttentionBackend
     from ninfer.kernels import paged_decode_cuda as pdc
     from ninfer.kernels import store_kv_cuda as sc
     from ninfer.kvcache.formats import get_format
 
     monkeypatch.setattr(pdc, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(pdc, "load_decode_cuda", lambda *a, **k: None)
+    monkeypatch.setattr(sc, "load_store_cuda", lambda *a, **k: None)
     dev = torch.device("cuda")
     none = "no nvcc, and NVRTC: libnvrtc not found"
-    for why, fmt, want in ((None, "rk4v4-e8", "decode=cuda store=cuda prefill=triton"),
-                           (None, "int8", "decode=cuda store=triton (format int8 has no CUDA store)"),
-                           (none, "rk4v4-e8", f"decode=triton ({none}) store=triton ({none})")):
+    for why, fmt, d, want in (
+            (None, "rk4v4-e8", 128, "store=cuda decode=cuda prefill=triton"),
+            (None, "int8", 128, "store=triton (format int8 has no cuda store kernel) decode=cuda prefill=triton"),
+            (None, "rk4v4", 64, "store=cuda decode=triton (head_dim 64: CUDA path needs 128 or 256) prefill=triton"),
+            (none, "rk4v4-e8", 128, f"store=triton ({none}) decode=triton ({none}) prefill=triton")):
         monkeypatch.setattr(pdc, "_compiler", lambda why=why: why)
         monkeypatch.setattr(sc, "compiler_unavailable", lambda why=why: why)
-        pool = SimpleNamespace(fmt=get_format(fmt), device=dev, head_dim=128, num_kv_heads=8, page_size=64)
-        assert TritonAttentionBackend(pool).kernel_paths(32, torch.bfloat16).startswith(want)
+        pool = SimpleNamespace(fmt=get_format(fmt), device=dev, head_dim=d, num_kv_heads=8, page_size=64)
+        assert KernelAttentionBackend(pool, dtype=torch.bfloat16, num_heads=32).kernel_paths() == want
 
 
 GPU_CASES = [("rk4v4-e8", "random", 37, 2, 128, "bfloat16", 0), ("rk4v4", "random", 37, 2, 128, "bfloat16", 1),

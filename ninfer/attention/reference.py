@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ninfer.attention.base import AttentionMetadata, BaseAttentionBackend
+from ninfer.attention.base import BaseAttentionBackend, StepMetadata
 
 # Bound on one score block (query rows x cached tokens x heads, float32 elements), so a long
 # prefill chunk over a long context does not materialize a huge [H, q, L] matrix at once.
@@ -49,15 +49,8 @@ class ReferenceAttentionBackend(BaseAttentionBackend):
         return self.fmt.decode(tokens(planes[name]), None if scale is None else tokens(scale),
                                rotated=False, dtype=torch.float32)
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        t, hq, d = q.shape
-        hkv = k.shape[1]
-        if hq % hkv:
-            raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
-        group = hq // hkv
-        self.store(layer, k, v, meta.slot_mapping)
-
+    def plan(self, meta: StepMetadata) -> tuple[list[int], list[int]]:
+        """Host copies of the query starts and sequence lengths, once per step."""
         if meta.query_lens_cpu is not None:
             starts = [0]
             for n in meta.query_lens_cpu:
@@ -65,6 +58,18 @@ class ReferenceAttentionBackend(BaseAttentionBackend):
         else:
             starts = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
+        meta.plan = (starts, [int(n) for n in seq_lens])
+        return meta.plan
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: StepMetadata, scale: float) -> torch.Tensor:
+        t, hq, d = q.shape
+        hkv = k.shape[1]
+        if hq % hkv:
+            raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+        group = hq // hkv
+        self.store(layer, k, v, meta.slot_mapping)
+        starts, seq_lens = meta.plan if isinstance(meta.plan, tuple) else self.plan(meta)
         out = torch.empty_like(q)
         for b, seq_len in enumerate(seq_lens):
             q0, q1 = int(starts[b]), int(starts[b + 1])

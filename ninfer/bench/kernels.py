@@ -2,7 +2,7 @@
 with torch SDPA bf16 (flash and cuDNN backends) and the int8 control, in one run.
 
 For each geometry (24q/4kv/D256 and 32q/8kv/D128) x context x batch and each format/backend:
-* correctness first, at the real shape: ``paged_decode`` vs ``paged_decode_ref`` (planes decoded by
+* correctness first, at the real shape: ``paged_decode_{triton,cuda}`` vs ``paged_decode_ref`` (planes decoded by
   the format registry, float64 attention on the GPU), relative error bound 1e-2 (2e-2 for bf16);
   a kernel that fails is reported and not timed;
 * time: median over replays of a CUDA graph of decode calls over R disjoint page sets (R chosen so
@@ -13,8 +13,8 @@ For each geometry (24q/4kv/D256 and 32q/8kv/D128) x context x batch and each for
   the device-to-device copy bandwidth measured in the same run (bytes read + written);
 * ratios to the int8 control (the faster of its backends) and to SDPA bf16 (flash, cuDNN) on a
   contiguous bf16 K/V of the same length (``enable_gqa=True``, no K/V expansion).
-Store (``ninfer.kernels.store_kv``) and prefill (``ninfer.kernels.prefill``) rows are added when
-those modules exist; otherwise the report says they are absent.
+Store (the store op the engine selects, ``ninfer.attention.selector``) and prefill
+(``ninfer.kernels.prefill``) rows are added when those modules exist; otherwise the report says they are absent.
 """
 from __future__ import annotations
 
@@ -232,8 +232,11 @@ def bench_decode_format(fmt_name: str, backend: str, hq: int, hkv: int, d: int, 
                         case: "DecodeCase | None" = None) -> tuple[dict, "DecodeCase"]:
     import torch
 
-    from ninfer.kernels.paged_decode import paged_decode, paged_decode_ref
+    from ninfer.kernels.paged_decode import paged_decode_cuda, paged_decode_ref, paged_decode_triton
 
+    decode = {"triton": paged_decode_triton, "cuda": paged_decode_cuda}.get(backend)
+    if decode is None:
+        raise ValueError(f"decode backend must be triton or cuda, got {backend!r}")
     extra = dict(extra or {})
     label = extra.pop("label", None)
     if case is None:
@@ -244,15 +247,15 @@ def bench_decode_format(fmt_name: str, backend: str, hq: int, hkv: int, d: int, 
            "kv_bytes": case.kv_bytes(), "bytes": case.kv_bytes() + case.io_bytes(), **{k: v for k, v in extra.items()}}
 
     def call(i: int):
-        return paged_decode(case.q, case.kp, case.vp, case.tables[i], case.seq_lens, fmt_name, case.scale,
-                            out=case.outs[i], backend=backend, **extra)
+        return decode(case.q, case.kp, case.vp, case.tables[i], case.seq_lens, case.fmt, case.scale,
+                      out=case.outs[i], **extra)
 
     try:
         out = case.outs[0]
         out.fill_(float("nan"))
         call(0)
         torch.cuda.synchronize()
-        ref = paged_decode_ref(case.q, case.kp, case.vp, case.tables[0], case.seq_lens, fmt_name, case.scale)
+        ref = paged_decode_ref(case.q, case.kp, case.vp, case.tables[0], case.seq_lens, case.fmt, case.scale)
         o = out.float()
         finite = bool(torch.isfinite(o).all())
         rel = float((o - ref).norm() / ref.norm().clamp_min(1e-30)) if finite else float("nan")
@@ -328,12 +331,14 @@ def store_slots(tokens: int, num_pages: int, pattern: str, device="cuda", genera
 def bench_store(fmt_name: str, hkv: int, d: int, tokens: int, rep_ms: int, copy_bw: float) -> dict:
     import torch
 
-    from ninfer.kernels.store_kv import store_kv
+    from ninfer.attention.selector import OpContext, select_ops
     from ninfer.kvcache.formats import get_format
 
     fmt = get_format(fmt_name)
     row = {"kind": "store", "format": fmt_name, "hkv": hkv, "d": d, "tokens": tokens}
     try:
+        # the store the engine would run for this format and geometry (CUDA C++ for the 4-bit formats)
+        store_kv = select_ops(OpContext(fmt, torch.device("cuda"), torch.bfloat16, d, None, hkv, PAGE))["store"].fn
         num_pages = math.ceil(tokens / PAGE) * 8
         planes = {pl.name: torch.zeros(num_pages, hkv, PAGE, pl.extent, dtype=pl.dtype, device="cuda")
                   for pl in fmt.planes(d, torch.bfloat16)}
@@ -343,8 +348,7 @@ def bench_store(fmt_name: str, hkv: int, d: int, tokens: int, rep_ms: int, copy_
         bytes_ = 2 * tokens * hkv * d * 2 + tokens * hkv * fmt.bytes_per_token_head(d, torch.bfloat16) + tokens * 8
         for pattern in ("pages", "scattered"):
             slots = [store_slots(tokens, num_pages, pattern) for _ in range(sets)]
-            us = time_graph([lambda i=i: store_kv(ks[i], vs[i], planes, slots[i], fmt_name) for i in range(sets)],
-                            rep_ms)
+            us = time_graph([lambda i=i: store_kv(ks[i], vs[i], planes, slots[i]) for i in range(sets)], rep_ms)
             if pattern == "pages":
                 row.update(us=us, bytes=bytes_, gbps=bytes_ / (us * 1e-6) / 1e9,
                            pct_copy=100.0 * bytes_ / (us * 1e-6) / copy_bw)
@@ -359,7 +363,7 @@ def bench_store(fmt_name: str, hkv: int, d: int, tokens: int, rep_ms: int, copy_
 def bench_prefill(fmt_name: str, hq: int, hkv: int, d: int, ctx: int, chunk: int, rep_ms: int, copy_bw: float) -> dict:
     import torch
 
-    from ninfer.kernels.prefill import paged_prefill
+    from ninfer.kernels.prefill import paged_prefill_triton
 
     row = {"kind": "prefill", "format": fmt_name, "hq": hq, "hkv": hkv, "d": d, "context": ctx, "chunk": chunk}
     try:
@@ -367,8 +371,8 @@ def bench_prefill(fmt_name: str, hq: int, hkv: int, d: int, ctx: int, chunk: int
         q = torch.randn(chunk, hq, d, dtype=torch.bfloat16, device="cuda")
         qsl = torch.tensor([0, chunk], dtype=torch.int32, device="cuda")
         out = torch.empty_like(q)
-        us = time_graph([lambda: paged_prefill(q, case.kp, case.vp, qsl, case.seq_lens, case.tables[0], chunk,
-                                                fmt_name, case.scale, out=out)], rep_ms)
+        us = time_graph([lambda: paged_prefill_triton(q, case.kp, case.vp, qsl, case.seq_lens, case.tables[0], chunk,
+                                                       case.fmt, case.scale, out=out)], rep_ms)
         flops = 4.0 * chunk * hq * d * (ctx + chunk / 2)
         row.update(us=us, kv_bytes=case.kv_bytes(), tflops=flops / (us * 1e-6) / 1e12)
         del case

@@ -52,6 +52,7 @@ class DecodeGraphs:
         io.reserve(sizes[-1])  # the graphs hold these addresses: the buffers never move again
         self.input_ids, self.positions, self.slot_mapping = io.input_ids, io.positions, io.slot_mapping
         self.seq_lens, self.block_tables, self.query_start_loc = io.seq_lens, io.block_tables, io.query_start_loc
+        self.state_slots, self.has_initial_state = io.state_slots, io.has_initial_state  # None: no recurrent layers
         self.static_bytes = io.nbytes
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -64,7 +65,9 @@ class DecodeGraphs:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs], max_query_len=1,
-            max_seq_len=self.width * int(self.runner.page_size), is_decode=True)
+            max_seq_len=self.width * int(self.runner.page_size), is_decode=True,
+            state_slots=None if self.state_slots is None else self.state_slots[:bs],
+            has_initial_state=None if self.has_initial_state is None else self.has_initial_state[:bs])
 
     def _run(self, bs: int) -> torch.Tensor:
         return self.runner.eager_forward(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
@@ -73,9 +76,12 @@ class DecodeGraphs:
     def capture(self) -> int:
         """Capture every bucket; returns the observed graph memory in bytes (see module doc)."""
         dev = self.runner.device
-        # Dummy decode rows: attend to slot 0 of page 0 (a real page), store nothing.
+        # Dummy decode rows: attend to slot 0 of page 0 (a real page), store nothing; state slot 0
+        # (the capture runs before any request holds one; the pool's states are zeroed after it).
         self.seq_lens.fill_(1)
         self.block_tables[:, 0] = 0
+        if self.state_slots is not None:
+            self.state_slots.fill_(0)
         side = _warmup_stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # warm-up outside capture: Triton compiles, lazy caches fill
@@ -99,6 +105,9 @@ class DecodeGraphs:
         self.pool_bytes = torch.cuda.memory_reserved(dev) - reserved0
         self.device_bytes = free0 - torch.cuda.mem_get_info(dev)[0]
         self.io.clear()  # back to padding everywhere, no rows owned
+        states = self.runner.state_pool
+        if states is not None:
+            states.reset_states(list(range(states.num_slots)))
         observed = max(self.pool_bytes, self.device_bytes) + self.static_bytes
         log.info("decode CUDA graphs: sizes=%s pool=%d device=%d static=%d observed=%d bytes",
                  self.sizes, self.pool_bytes, self.device_bytes, self.static_bytes, observed)
@@ -126,6 +135,11 @@ class DecodeGraphs:
         self.slot_mapping[:b].copy_(meta.slot_mapping, non_blocking=True)
         self.seq_lens[:b].copy_(meta.seq_lens, non_blocking=True)
         self.block_tables[:b].copy_(meta.block_tables, non_blocking=True)
+        if self.state_slots is not None:
+            self.state_slots[:b].copy_(meta.state_slots, non_blocking=True)
+            self.has_initial_state[:b].copy_(meta.has_initial_state, non_blocking=True)
+            self.state_slots[b:bs].fill_(-1)
+            self.has_initial_state[b:bs].fill_(False)
         if bs > b:  # padding rows: store nothing, attend to nothing (rows left by a larger batch)
             self.input_ids[b:bs].zero_()
             self.positions[b:bs].zero_()

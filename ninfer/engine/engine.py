@@ -22,10 +22,12 @@ from ninfer.engine.model_runner import ModelRunner
 from ninfer.engine.request import Request, RequestOutput
 from ninfer.engine.sampling import SampleRow, SamplingParams, sample
 from ninfer.engine.scheduler import Scheduler
+from ninfer.attention.selector import select_backend
 from ninfer.kvcache.block_manager import BlockManager
-from ninfer.kvcache.formats import get_format
+from ninfer.kvcache.formats import KVFormat, get_format
 from ninfer.kvcache.planner import MemoryPlan, device_memory, plan_for_engine
 from ninfer.kvcache.pool import KVCachePool
+from ninfer.kvcache.spec import CacheSpec
 from ninfer.model_config import ModelConfig
 from ninfer.models.loader import load_model, load_tokenizer, resolve_device, resolve_dtype
 from ninfer.models.rope import apply_rope_overrides, scaled_max_position
@@ -76,13 +78,13 @@ def _eos_token_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _make_backend(pool: KVCachePool, device: torch.device) -> Any:
-    # Triton only exists for CUDA; import lazily so CPU installs never touch it.
-    if device.type == "cuda":
-        from ninfer.attention.triton_backend import TritonAttentionBackend
-        return TritonAttentionBackend(pool)
-    from ninfer.attention.reference import ReferenceAttentionBackend
-    return ReferenceAttentionBackend(pool)
+def declared_cache_spec(mc: ModelConfig, fmt: KVFormat) -> CacheSpec:
+    """The model's cache spec before any weight exists: from an instance on the meta device."""
+    from ninfer.models.decoder import CausalLM
+    from ninfer.models.registry import get_arch_spec
+    with torch.device("meta"):
+        model = CausalLM(mc, get_arch_spec(mc.architecture))
+    return model.cache_specs(fmt)
 
 
 class LLMEngine:
@@ -104,9 +106,11 @@ class LLMEngine:
                         "quality past %d tokens is not what the model was trained for",
                         self.max_context, model_limit, model_limit)
         # Plan before allocating anything big: ContextDoesNotFit carries the numbers.
+        self.cache_spec = declared_cache_spec(mc, self.kv_format)
         mem = device_memory(self.device, config.memory_limit_gib)
         plan_cfg = config.replace(dtype=_DTYPE_NAMES[self.dtype])
-        self.plan: MemoryPlan = plan_for_engine(mc, plan_cfg, mem, self.device.type, max_context=self.max_context)
+        self.plan: MemoryPlan = plan_for_engine(mc, plan_cfg, mem, self.device.type, max_context=self.max_context,
+                                                cache_spec=self.cache_spec)
 
         rope = {"rope_yarn_factor": config.rope_yarn_factor,
                 "rope_original_max_position": config.rope_original_max_position}
@@ -115,15 +119,22 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
 
-        self.pool = KVCachePool.from_plan(self.plan, self.device, self.dtype)
+        if self.model.cache_specs(self.kv_format) != self.cache_spec:
+            raise RuntimeError("the loaded model declares another cache spec than the one planned")
+        self.pool = KVCachePool.from_plan(self.plan, self.device, self.dtype, spec=self.cache_spec)
         self.pool.assert_geometry()  # DESIGN 2.2: packed planes are checked, never assumed
         self.kv_capacity_tokens = self.pool.capacity_tokens
-        self.backend = _make_backend(self.pool, self.device)
+        # Which kernel serves each attention op is decided here, once; an unsupported format is refused.
+        self.backend = select_backend(self.pool, self.device, self.dtype, self.model_config.num_heads)
         max_pages = -(-self.max_context // PAGE_SIZE)
         self.runner = ModelRunner(self.model, self.backend, device=self.device, page_size=PAGE_SIZE,
                                   max_pages_per_seq=max_pages)
         graph_bytes = self._maybe_capture_graphs()
-        self.block_manager = BlockManager(self.plan.num_pages, PAGE_SIZE, config.enable_prefix_caching)
+        recurrent = self.cache_spec.has_recurrent_state
+        # A reused KV page would need the recurrent state at its end, which is not kept: no prefix reuse.
+        self.prefix_caching = config.enable_prefix_caching and not recurrent
+        self.block_manager = BlockManager(self.plan.num_pages, PAGE_SIZE, self.prefix_caching,
+                                          num_state_slots=config.max_num_seqs if recurrent else 0)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
 
@@ -133,12 +144,15 @@ class LLMEngine:
         self.plan = self.plan.with_observed(graph_bytes=graph_bytes, free_after_startup=free_after)
         self.startup_lines: list[str] = [self.model.describe(), *self.pool.geometry_lines(),
                                          self.plan.capacity_line(),
-                                         "kernels: " + self.backend.kernel_paths(self.model_config.num_heads, self.dtype),
+                                         "kernels: " + self.backend.kernel_paths(),
                                          f"engine: device={self.device} backend={self.backend.name} "
                                          f"max_context={self.max_context} max_num_seqs={config.max_num_seqs} "
                                          f"max_num_batched_tokens={config.max_num_batched_tokens} "
-                                         f"prefix_reuse={int(config.enable_prefix_caching)} "
+                                         f"prefix_reuse={int(self.prefix_caching)} "
                                          f"cuda_graphs={int(self.runner.forward_fn != self.runner.eager_forward)}"]
+        if recurrent and config.enable_prefix_caching:
+            self.startup_lines.append("prefix reuse: off (the model has recurrent layers: a reused KV page would "
+                                      "need the recurrent state at its end, which is not kept)")
         for line in self.startup_lines:
             log.info("%s", line)
 

@@ -74,7 +74,6 @@ class CudaProgram:
         self.main, self.entry = main, entry
         self._funcs: dict[tuple, tuple] = {}
         self._lock = threading.Lock()
-        self.error: str | None = None  # set by a caller that gave up on this program
 
     def _check(self, rc: int, what: str) -> None:
         if rc != 0:

@@ -27,18 +27,17 @@ Formats (``docs/ARCHITECTURE.md`` "4-bit data layout" and "KV pool"):
   The partial outputs stay in the H64 domain; ``decode_reduce`` undoes the rotation once (the CUDA
   kernel instead rotates each split's partial back in its epilogue, so its merge is a plain one).
 
-Backends: this Triton kernel is the portable path. On NVIDIA GPUs (sm_80+, with nvcc or NVRTC) the
-int8 / rk4v4 / rk4v4-e8 formats also have a CUDA C++ split kernel (paged_decode_cuda.py, source in
-csrc/paged_decode.cu), 3-6x faster than the Triton one at 128K (docs/KERNELS.md, docs/BENCHMARKS.md);
-``backend="auto"`` (the default) picks it wherever it can run and falls back to Triton otherwise.
-Both write the same split partials, merged by ``decode_reduce``.
+Implementations: ``paged_decode_triton`` is the portable path. On NVIDIA GPUs (sm_80+, with nvcc or
+NVRTC) the int8 / rk4v4 / rk4v4-e8 formats also have a CUDA C++ split kernel, ``paged_decode_cuda``
+(paged_decode_cuda.py, source in csrc/paged_decode.cu), 3-6x faster than the Triton one at 128K
+(docs/KERNELS.md, docs/BENCHMARKS.md). Which one serves an engine is decided once at startup
+(ninfer/attention/selector.py). Both write split partials merged by ``decode_reduce``.
 
 ``paged_decode_ref`` (bottom) is the independent torch oracle: it decodes the planes with the
 format registry's reference decode (``ninfer.kvcache.formats``) and attends in float64.
 """
 from __future__ import annotations
 
-import logging
 import math
 import os
 from typing import Sequence
@@ -49,14 +48,13 @@ import triton.language as tl
 
 from ninfer.kernels.decode_reduce import decode_reduce
 from ninfer.kernels.hadamard import rot_entry
-from ninfer.kvcache.formats import GROUP, get_format
+from ninfer.kvcache.formats import GROUP, KVFormat
 
-from ninfer.kernels._common import FMT_E8, FMT_INT8, FMT_PLAIN, FMT_RK4, LOG2E, SM_COUNT as _SM_COUNT, fmt_code  # noqa: F401
-from ninfer.kernels.paged_decode_cuda import (_CUDA, _CUDA_FMT, _CUDA_SRC, default_cfg,  # noqa: F401
+from ninfer.kernels._common import (FMT_E8, FMT_INT8, FMT_PLAIN, FMT_RK4, LOG2E,  # noqa: F401
+                                    SM_COUNT as _SM_COUNT, kernel_code)
+from ninfer.kernels.paged_decode_cuda import (_CUDA, _CUDA_SRC, default_cfg,  # noqa: F401
                                               _paged_decode_cuda_split, cuda_kernel_info, cuda_num_splits,
                                               cuda_path_supported)
-
-log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -301,37 +299,9 @@ def _check_plane(name: str, t: torch.Tensor, dtype, hkv: int, extent: int, page:
         raise ValueError(f"paged_decode: plane {name} on {t.device}, q on {device}")
 
 
-def paged_decode(q: torch.Tensor, k_planes, v_planes, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 fmt_name: str, scale: float, *, num_splits: int | None = None,
-                 out: torch.Tensor | None = None, backend: str | None = None,
-                 num_warps: int = 4, cuda_cfg: tuple[int, ...] | None = None) -> torch.Tensor:
-    """Decode attention of one new query token per sequence over its paged, cached K/V.
-
-    Parameters
-    ----------
-    q : [B, Hq, D] float (bf16/fp16/fp32), last dim contiguous; not rotated (rotated formats
-        rotate it inside the kernel).
-    k_planes, v_planes : the layer's planes, ``(data, scale)`` (scale ``None`` or omitted for
-        unscaled formats) or the pool's dict (``{"k", "k_scale", ...}``); data
-        ``[num_pages, Hkv, page, extent]`` in the format's dtype, scale fp16 ``[num_pages, Hkv, page, D/64]``.
-    block_tables : int32 [B, max_pages], page ids per sequence (entries past the sequence are ignored).
-    seq_lens : int32 [B], cached tokens per sequence including the new one (0 gives zeros).
-    fmt_name : a ``ninfer.kvcache.formats`` name (auto, bf16, int8, rk4v4, rk4v4-e8).
-    scale : softmax scale (usually D ** -0.5).
-    num_splits : splits per (sequence, KV head); default from the SM count, the kernel's occupancy,
-        B, Hkv and ``max_pages`` only (never from ``seq_lens``), so one value serves a captured graph.
-    out : optional [B, Hq, D] output buffer (q's dtype).
-    backend : ``"triton"``, ``"cuda"`` (the CUDA C++ split kernel, int8/rk4v4/rk4v4-e8, head_dim
-        128/256, GQA group <= 8, page 64; raises if it cannot run) or ``"auto"`` (cuda where it can
-        run, else triton). Default: ``$NINFER_DECODE_BACKEND`` or ``auto``.
-    num_warps, cuda_cfg : tuning knobs for the benchmark (Triton warps; CUDA (warps, chunk, stages[, min blocks per SM])).
-
-    Returns
-    -------
-    out : [B, Hq, D] in q's dtype, in the natural (unrotated) basis.
-    """
-    fmt = get_format(fmt_name)
-    code = fmt_code(fmt)
+def _checked_decode_args(q, k_planes, v_planes, block_tables, seq_lens, fmt, out):
+    """The checks both decode implementations share -> (code, kd, ks, vd, vs, seq_lens, out)."""
+    code = kernel_code(fmt, "paged_decode")
     if q.dim() != 3 or not q.is_floating_point() or q.stride(2) != 1:
         raise ValueError(f"paged_decode: q must be a float [B, Hq, D] with contiguous last dim, got "
                          f"{q.dtype}{list(q.shape)} strides {q.stride()}")
@@ -372,53 +342,60 @@ def paged_decode(q: torch.Tensor, k_planes, v_planes, block_tables: torch.Tensor
         raise ValueError("paged_decode: q, block_tables and seq_lens must be on one device")
     if seq_lens.stride(0) != 1:
         seq_lens = seq_lens.contiguous()
-    max_pages = block_tables.shape[1]
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError(f"paged_decode: out must be contiguous {q.dtype}{list(q.shape)}")
+    return code, kd, ks, vd, vs, seq_lens, out
+
+
+def _splits(num_splits: int) -> int:
+    if int(num_splits) < 1:
+        raise ValueError(f"paged_decode: num_splits must be >= 1, got {num_splits}")
+    return int(num_splits)
+
+
+def paged_decode_triton(q: torch.Tensor, k_planes, v_planes, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        fmt: KVFormat, scale: float, *, num_splits: int | None = None,
+                        out: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
+    """Decode attention of one new query token per sequence over its paged, cached K/V (Triton kernel).
+
+    Parameters
+    ----------
+    q : [B, Hq, D] float (bf16/fp16/fp32), last dim contiguous; not rotated (rotated formats
+        rotate it inside the kernel).
+    k_planes, v_planes : the layer's planes, ``(data, scale)`` (scale ``None`` or omitted for
+        unscaled formats) or the pool's dict (``{"k", "k_scale", ...}``); data
+        ``[num_pages, Hkv, page, extent]`` in the format's dtype, scale fp16 ``[num_pages, Hkv, page, D/64]``.
+    block_tables : int32 [B, max_pages], page ids per sequence (entries past the sequence are ignored).
+    seq_lens : int32 [B], cached tokens per sequence including the new one (0 gives zeros).
+    fmt : the ``ninfer.kvcache.formats`` format object (one with a ``kernel_code``).
+    scale : softmax scale (usually D ** -0.5).
+    num_splits : splits per (sequence, KV head); default ``default_num_splits`` (the SM count, B, Hkv
+        and ``max_pages`` only, never ``seq_lens``), so one value serves a captured graph.
+    out : optional [B, Hq, D] output buffer (q's dtype).
+    num_warps : tuning knob for the benchmark.
+
+    Returns
+    -------
+    out : [B, Hq, D] in q's dtype, in the natural (unrotated) basis.
+    """
+    code, kd, ks, vd, vs, seq_lens, out = _checked_decode_args(q, k_planes, v_planes, block_tables, seq_lens,
+                                                               fmt, out)
+    bsz, hq, d = q.shape
+    hkv, page = kd.shape[1], kd.shape[2]
     if bsz == 0:
         return out
-    backend = (backend or os.environ.get("NINFER_DECODE_BACKEND") or "auto").lower()
-    if backend not in ("auto", "triton", "cuda"):
-        raise ValueError(f"paged_decode: backend must be auto, triton or cuda, got {backend!r}")
-    use_cuda = False
-    if backend != "triton":
-        why = cuda_path_supported(q, kd, fmt.name)
-        if why is None and not all(t.is_contiguous() for t in (kd, vd, ks, vs)):
-            why = "planes not contiguous"
-        if why is None and _CUDA.error is None:
-            use_cuda = True
-        elif backend == "cuda":
-            raise ValueError(f"paged_decode: CUDA path unavailable: {why or _CUDA.error}")
-    if use_cuda:
-        cfg = cuda_cfg or default_cfg(code, d)
-        try:
-            splits = int(num_splits) if num_splits is not None else cuda_num_splits(
-                bsz, hkv, max_pages, q.device, fmt.name, d, q.dtype, cfg)
-        except Exception as e:  # compile/load failure: remember it and use the portable path
-            if backend == "cuda":
-                raise
-            _CUDA.error = f"{type(e).__name__}: {e}"
-            log.warning("paged_decode: CUDA kernel failed (%s); the Triton kernel takes over", _CUDA.error)
-            use_cuda = False
-    if not use_cuda:
-        splits = int(num_splits) if num_splits is not None else default_num_splits(bsz, hkv, max_pages, q.device)
-    if splits < 1:
-        raise ValueError(f"paged_decode: num_splits must be >= 1, got {splits}")
+    splits = _splits(num_splits if num_splits is not None else
+                     default_num_splits(bsz, hkv, block_tables.shape[1], q.device))
     mid_o = torch.empty(bsz * hq, splits, d, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(bsz * hq, splits, dtype=torch.float32, device=q.device)
-    if use_cuda:
-        _paged_decode_cuda_split(q, kd, ks, vd, vs, block_tables, seq_lens, mid_o, mid_lse, code, scale,
-                                 splits, cfg)
-        # the CUDA kernel rotates each split's partial back itself (in its epilogue, in parallel)
-        decode_reduce(mid_o, mid_lse, out.view(bsz * hq, d), rotated=False)
-        return out
     # Packed formats also read their bytes as little-endian 32-bit words (one E8 block each).
     if code in (FMT_RK4, FMT_E8):
         kw, vw = kd.view(torch.int32), vd.view(torch.int32)
     else:
         kw, vw = kd, vd
+    g = d // GROUP
     group = hq // hkv
     block_m = max(16, triton.next_power_of_2(group))
     block_g = triton.next_power_of_2(max(1, g))
@@ -437,14 +414,40 @@ def paged_decode(q: torch.Tensor, k_planes, v_planes, block_tables: torch.Tensor
     return out
 
 
+def paged_decode_cuda(q: torch.Tensor, k_planes, v_planes, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      fmt: KVFormat, scale: float, *, num_splits: int | None = None,
+                      out: torch.Tensor | None = None, cuda_cfg: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``paged_decode_triton``'s contract on the CUDA C++ split kernel (int8/rk4v4/rk4v4-e8, head_dim
+    128/256, GQA group <= 8, page 64, sm_80+); ValueError where it cannot run. Default splits:
+    ``cuda_num_splits`` (one wave of resident blocks). cuda_cfg: (warps, chunk, stages[, min blocks
+    per SM]), a benchmark knob."""
+    code, kd, ks, vd, vs, seq_lens, out = _checked_decode_args(q, k_planes, v_planes, block_tables, seq_lens,
+                                                               fmt, out)
+    bsz, hq, d = q.shape
+    why = cuda_path_supported(q, kd, fmt)
+    if why is None and not all(t.is_contiguous() for t in (kd, vd, ks, vs)):
+        why = "planes not contiguous"
+    if why is not None:
+        raise ValueError(f"paged_decode_cuda: {why}")
+    if bsz == 0:
+        return out
+    cfg = cuda_cfg or default_cfg(code, d)
+    splits = _splits(num_splits if num_splits is not None else
+                     cuda_num_splits(bsz, kd.shape[1], block_tables.shape[1], q.device, fmt, d, q.dtype, cfg))
+    mid_o = torch.empty(bsz * hq, splits, d, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(bsz * hq, splits, dtype=torch.float32, device=q.device)
+    _paged_decode_cuda_split(q, kd, ks, vd, vs, block_tables, seq_lens, mid_o, mid_lse, code, scale, splits, cfg)
+    # the CUDA kernel rotates each split's partial back itself (in its epilogue, in parallel)
+    decode_reduce(mid_o, mid_lse, out.view(bsz * hq, d), rotated=False)
+    return out
+
 
 # ----------------------------------------------------------------------------- torch reference
 def paged_decode_ref(q: torch.Tensor, k_planes, v_planes, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     fmt_name: str, scale: float) -> torch.Tensor:
-    """Oracle for :func:`paged_decode`: gathers each sequence's pages, decodes them with the format
-    registry's reference decode (natural basis) and attends in float64, on the inputs' device.
+                     fmt: KVFormat, scale: float) -> torch.Tensor:
+    """Oracle for ``paged_decode_triton`` / ``paged_decode_cuda``: gathers each sequence's pages, decodes
+    them with the format's reference decode (natural basis) and attends in float64, on the inputs' device.
     Returns float32 [B, Hq, D] (zeros for an empty sequence)."""
-    fmt = get_format(fmt_name)
     kd, ks = _planes(k_planes, fmt, "k")
     vd, vs = _planes(v_planes, fmt, "v")
     bsz, hq, d = q.shape
@@ -476,5 +479,5 @@ def paged_decode_ref(q: torch.Tensor, k_planes, v_planes, block_tables: torch.Te
     return out.to(torch.float32)
 
 
-__all__: Sequence[str] = ("paged_decode", "paged_decode_ref", "default_num_splits", "cuda_num_splits",
-                          "cuda_path_supported", "cuda_kernel_info", "fmt_code")
+__all__: Sequence[str] = ("paged_decode_triton", "paged_decode_cuda", "paged_decode_ref", "default_num_splits",
+                          "cuda_num_splits", "cuda_path_supported", "cuda_kernel_info")

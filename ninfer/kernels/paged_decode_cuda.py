@@ -26,11 +26,10 @@ import torch
 
 from ninfer.kernels.cuda_build import CudaProgram, compiler_unavailable
 
-from ninfer.kernels._common import FMT_E8, FMT_INT8, FMT_RK4, LOG2E, SM_COUNT as _SM_COUNT, fmt_code
-from ninfer.kvcache.formats import GROUP, get_format
+from ninfer.kernels._common import FMT_E8, FMT_INT8, FMT_RK4, LOG2E, SM_COUNT as _SM_COUNT
+from ninfer.kvcache.formats import GROUP, KVFormat
 
-
-_CUDA_FMT = {FMT_INT8: 1, FMT_RK4: 2, FMT_E8: 3}
+CUDA_FORMATS = (FMT_INT8, FMT_RK4, FMT_E8)  # kernel codes the split kernel has (its ND_FMT define)
 # (NW warps, CHUNK tokens per pipeline stage, NST stages, MINB) per format and head dim, the fastest
 # measured on the H200 (docs/BENCHMARKS.md "Decode: the configurations per head dim"; head dims below
 # 128 use the 128 entry). MINB = blocks per SM the registers must allow (ptxas's cap; 2 -> 128
@@ -52,7 +51,7 @@ def default_cfg(code: int, head_dim: int) -> tuple:
 def _key(code: int, head_dim: int, q_dtype, cfg=None) -> tuple:
     nw, chunk, nst, *rest = tuple(cfg or default_cfg(code, head_dim))
     minb = rest[0] if rest and head_dim <= 128 else 1
-    return (_CUDA_FMT[code], head_dim, "bf16" if q_dtype == torch.bfloat16 else "fp16", nw, chunk, nst, minb)
+    return (code, head_dim, "bf16" if q_dtype == torch.bfloat16 else "fp16", nw, chunk, nst, minb)
 
 
 class _CudaDecode(CudaProgram):
@@ -86,18 +85,17 @@ def _cuda_smem_bytes(key: tuple) -> int:
     return max(nw * nst * stage, nw * 8 * (d + 4) * 4)  # the stages, or the partials (rows padded: 4 floats, int8 1)
 
 
-def cuda_decode_unsupported(fmt_name: str, device: torch.device, q_dtype: torch.dtype, head_dim: int,
+def cuda_decode_unsupported(fmt: KVFormat, device: torch.device, q_dtype: torch.dtype, head_dim: int,
                             num_heads: int, num_kv_heads: int, page_size: int) -> str | None:
     """None if the CUDA decode kernel can serve this geometry, else the reason it cannot."""
-    fmt = get_format(fmt_name)
-    if fmt_code(fmt) not in _CUDA_FMT:
+    if fmt.kernel_code not in CUDA_FORMATS:
         return f"format {fmt.name} has no CUDA path"
     if device.type != "cuda":
         return "not on CUDA"
     if _capability(device) < (8, 0):
         return "needs sm_80+"
     if head_dim not in (128, 256):
-        return f"head_dim {head_dim} (CUDA path: 128 or 256)"
+        return f"head_dim {head_dim}: CUDA path needs 128 or 256"
     if num_heads // num_kv_heads > 8:
         return f"GQA group {num_heads // num_kv_heads} > 8"
     if page_size != 64:
@@ -107,9 +105,14 @@ def cuda_decode_unsupported(fmt_name: str, device: torch.device, q_dtype: torch.
     return _compiler()
 
 
-def cuda_path_supported(q: torch.Tensor, kd: torch.Tensor, fmt_name: str) -> str | None:
+def cuda_path_supported(q: torch.Tensor, kd: torch.Tensor, fmt: KVFormat) -> str | None:
     """None if the CUDA path can run this call, else the reason it cannot."""
-    return cuda_decode_unsupported(fmt_name, q.device, q.dtype, q.shape[2], q.shape[1], kd.shape[1], kd.shape[2])
+    return cuda_decode_unsupported(fmt, q.device, q.dtype, q.shape[2], q.shape[1], kd.shape[1], kd.shape[2])
+
+
+def load_decode_cuda(fmt: KVFormat, head_dim: int, device: torch.device, q_dtype: torch.dtype, cfg=None) -> None:
+    """Build and load the split kernel now (startup), so a broken compiler is found before serving."""
+    _CUDA.function(_key(fmt.kernel_code, head_dim, q_dtype, cfg), device)
 
 
 _compiler = compiler_unavailable
@@ -147,10 +150,10 @@ def _paged_decode_cuda_split(q, kd, ks, vd, vs, block_tables, seq_lens, mid_o, m
         hq, hq // hkv, splits, float(scale) * LOG2E])
 
 
-def cuda_num_splits(batch: int, num_kv_heads: int, max_pages: int, device: torch.device, fmt_name: str,
+def cuda_num_splits(batch: int, num_kv_heads: int, max_pages: int, device: torch.device, fmt: KVFormat,
                     head_dim: int, q_dtype=torch.bfloat16, cfg=None) -> int:
     """Splits for the CUDA path: one wave of resident blocks (occupancy x SMs), from fixed sizes only."""
-    code = fmt_code(get_format(fmt_name))
+    code = fmt.kernel_code
     _mod, _fn, _smem, occ, _regs = _CUDA.function(_key(code, head_dim, q_dtype, cfg), device)
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SM_COUNT:
@@ -171,9 +174,9 @@ def cuda_q_as_rounded(q: torch.Tensor) -> torch.Tensor:
     return rotate(g.reshape(r.shape))
 
 
-def cuda_kernel_info(fmt_name: str, head_dim: int, device: torch.device, q_dtype=torch.bfloat16, cfg=None) -> dict:
+def cuda_kernel_info(fmt: KVFormat, head_dim: int, device: torch.device, q_dtype=torch.bfloat16, cfg=None) -> dict:
     """Registers, shared memory and occupancy of the CUDA split kernel (for the benchmark report)."""
-    code = fmt_code(get_format(fmt_name))
+    code = fmt.kernel_code
     key = _key(code, head_dim, q_dtype, cfg)
     _mod, _fn, smem, occ, regs = _CUDA.function(key, device)
     return {"regs": regs, "dyn_smem": smem, "blocks_per_sm": occ, "warps": key[3], "chunk": key[4], "stages": key[5],

@@ -1,6 +1,6 @@
 """Chunked-prefill attention over packed KV pages (every format), causal, varlen, GQA.
 
-The new chunk has already been written to the pages by ``store_kv``, so every key is read
+The new chunk has already been written to the pages by the store op, so every key is read
 through the page table: one code path for the cached prefix and the chunk.
 
 Grid ``(cdiv(max_query_len, BLOCK_T), B, Hkv)``, last query tiles first (they have the most
@@ -35,8 +35,8 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ninfer.kernels.hadamard import rot64_word_order
-from ninfer.kernels.store_kv import FMT_COPY, FMT_E8, FMT_RK4, fmt_code
-from ninfer.kvcache.formats import get_format
+from ninfer.kernels._common import FMT_E8, FMT_PLAIN as FMT_COPY, FMT_RK4, kernel_code
+from ninfer.kvcache.formats import KVFormat
 from ninfer.kvcache.hadamard import rotate
 
 SCALE_BCAST = tl.constexpr(True)  # 4-bit tiles: load scales as [BLOCK_N, G] and broadcast (False: per-word gather)
@@ -234,9 +234,9 @@ def _planes(p, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
                      f"got {type(p)}")
 
 
-def paged_prefill(q: torch.Tensor, k_planes, v_planes, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                  block_tables: torch.Tensor, max_query_len: int, fmt_name: str, scale: float,
-                  *, block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+def paged_prefill_triton(q: torch.Tensor, k_planes, v_planes, query_start_loc: torch.Tensor,
+                         seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, fmt: KVFormat,
+                         scale: float, *, block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                   out: torch.Tensor | None = None, exact_dots: bool | None = None) -> torch.Tensor:
     """Causal attention of the new tokens ``q`` [T, Hq, D] (flattened varlen batch, natural order)
     over their sequences' pages. ``k_planes``/``v_planes`` = (data [pages, Hkv, page, extent],
@@ -249,8 +249,7 @@ def paged_prefill(q: torch.Tensor, k_planes, v_planes, query_start_loc: torch.Te
     operands; default only for float32 q, or under the interpreter when they would be bf16 (its
     bf16 dot is broken); tests force False to run the fp16 GPU numerics on the interpreter.
     Returns out [T, Hq, D] in q's dtype."""
-    fmt = get_format(fmt_name)
-    code = fmt_code(fmt)
+    code = kernel_code(fmt, "paged_prefill")
     kd, ks = _planes(k_planes, "k")
     vd, vs = _planes(v_planes, "v")
     if q.dim() != 3 or not q.is_floating_point():
@@ -339,13 +338,12 @@ def paged_prefill(q: torch.Tensor, k_planes, v_planes, query_start_loc: torch.Te
 
 
 def paged_prefill_ref(q: torch.Tensor, k_planes, v_planes, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                      block_tables: torch.Tensor, max_query_len: int, fmt_name: str, scale: float,
+                      block_tables: torch.Tensor, max_query_len: int, fmt: KVFormat, scale: float,
                       *, kv_round: torch.dtype | None = None) -> torch.Tensor:
-    """Torch oracle for :func:`paged_prefill`: decode each sequence's pages with the format's
+    """Torch oracle for :func:`paged_prefill_triton`: decode each sequence's pages with the format's
     reference decoder and attend causally in float32 (host loop over sequences). ``kv_round``
     (e.g. fp16, the kernel's dot operand for scaled formats) rounds the decoded values, still in the
     stored (rotated) domain, like the kernel does, so a test can compare tightly."""
-    fmt = get_format(fmt_name)
     kd, ks = _planes(k_planes, "k")
     vd, vs = _planes(v_planes, "v")
     t, hq, d = q.shape

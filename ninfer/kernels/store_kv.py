@@ -9,7 +9,7 @@ warp, and K/V and groups run in parallel programs rather than one after another 
 Qwen3-8B decode: 12.4 us per layer for rk4v4-e8 with all of a token's groups, K and V, in one
 16-row program).
 
-Bit-exactness with the torch reference (``ninfer/kvcache/formats.py`` + ``e8.py``):
+Bit-exactness with the torch reference (``ninfer/kvcache/formats/`` + ``e8.py``):
 * rotation ``x @ R`` (R = S.H64.S, ``kvcache/hadamard.py``) is the 6-stage Walsh-Hadamard
   butterfly in float32 (``rotate_rows_fwht``; ``STORE_FWHT = False`` selects the older float32
   FMA ``tl.dot``): every intermediate is a signed partial sum of the same exact +-1/8 terms, so it
@@ -30,22 +30,19 @@ Bit-exactness with the torch reference (``ninfer/kvcache/formats.py`` + ``e8.py`
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 import triton
 import triton.language as tl
 
-from ninfer.kernels._common import FMT_E8, FMT_INT8, FMT_PLAIN, FMT_RK4, fmt_code
+from ninfer.kernels._common import FMT_E8, FMT_INT8, FMT_PLAIN, FMT_RK4, kernel_code
 from ninfer.kernels.hadamard import rot64, rotate_rows_fwht
-from ninfer.kvcache.formats import GROUP, get_format
+from ninfer.kvcache.formats import GROUP, KVFormat
 
 # Format switch (constexpr): one compiled variant per format; FMT_COPY = unquantized planes.
 FMT_COPY = FMT_PLAIN
 BLOCK_T = 16  # tokens per program of the 4-bit formats (tl.dot needs M >= 16)
 BLOCK_T_WIDE = 32  # unquantized copy and int8 (H200, 16384 tokens: int8 56.6 -> 46.7 us vs 16 rows)
 STORE_FWHT = True  # rotation by butterfly (False: fp32 FMA tl.dot); module switch for the bench
-log = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -272,16 +269,11 @@ def _check_plane(planes: dict, name: str, dtype: torch.dtype, hkv: int, extent: 
     return p
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch.Tensor, fmt_name: str,
-             *, block_t: int | None = None, num_warps: int | None = None, backend: str = "auto") -> None:
-    """Encode k/v [T, Hkv, D] with format ``fmt_name`` and write them to ``planes`` (the pool's
-    per-layer dict) at ``slot_mapping`` [T] (page * page_size + offset; -1 = skip). In place.
-    block_t / num_warps: tuning knobs of the Triton kernel (tokens per program, a power of 2 >= 2).
-    backend: "auto" (the CUDA C++ store for rk4v4 / rk4v4-e8 where it runs, else Triton), "triton"
-    or "cuda" (an error where it cannot run); both write the same bytes."""
-    if backend not in ("auto", "triton", "cuda"):
-        raise ValueError(f"store_kv: backend must be auto, triton or cuda, got {backend!r}")
-    fmt = get_format(fmt_name)
+def checked_store_args(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch.Tensor,
+                       fmt: KVFormat) -> tuple:
+    """The checks every store implementation shares -> (code, kd, ks, vd, vs, page); the packed
+    formats' data planes come back as int32 words (8 nibbles per little-endian word)."""
+    code = kernel_code(fmt, "store_kv")
     if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(f"store_kv: k {list(k.shape)} and v {list(v.shape)} must both be [T, Hkv, D]")
     if not (k.is_floating_point() and v.dtype == k.dtype):
@@ -292,7 +284,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch
                          f"got {slot_mapping.dtype}{list(slot_mapping.shape)}")
     if k.device != slot_mapping.device or v.device != k.device:
         raise ValueError("store_kv: k, v and slot_mapping must be on one device")
-    code = fmt_code(fmt)
     if code != FMT_COPY and d % GROUP:
         raise ValueError(f"store_kv: kv_dtype={fmt.name} needs head_dim % 64 == 0, got {d}")
     kp = planes.get("k")
@@ -313,10 +304,23 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch
         vs = _check_plane(planes, "v_scale", torch.float16, hkv, d // GROUP, k.device)
     if code in (FMT_RK4, FMT_E8):
         kd, vd = kd.view(torch.int32), vd.view(torch.int32)  # 8 nibbles per little-endian word
+    return code, kd, ks, vd, vs, page
+
+
+def store_kv_triton(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch.Tensor, fmt: KVFormat,
+                    *, block_t: int | None = None, num_warps: int | None = None) -> None:
+    """Encode k/v [T, Hkv, D] with format ``fmt`` and write them to ``planes`` (the pool's
+    per-layer dict) at ``slot_mapping`` [T] (page * page_size + offset; -1 = skip). In place.
+    block_t / num_warps: tuning knobs (tokens per program, a power of 2 >= 2). The CUDA C++ store
+    (store_kv_cuda.py) writes the same bytes for rk4v4 / rk4v4-e8."""
+    code, kd, ks, vd, vs, page = checked_store_args(k, v, planes, slot_mapping, fmt)
+    t, hkv, d = k.shape
+    bt = block_t or (BLOCK_T_WIDE if code in (FMT_COPY, FMT_INT8) else BLOCK_T)
+    if bt < 2 or bt & (bt - 1):
+        raise ValueError(f"store_kv: block_t must be a power of 2 >= 2, got {bt}")
+    if num_warps is not None and (num_warps < 1 or num_warps > 32 or num_warps & (num_warps - 1)):
+        raise ValueError(f"store_kv: num_warps must be a power of 2 in 1..32, got {num_warps}")
     if t == 0:
-        return
-    if backend != "triton" and block_t is None and num_warps is None and _try_cuda(
-            k, v, kd, ks, vd, vs, slot_mapping, code, fmt, page, backend):
         return
     if code == FMT_COPY and k.dtype != kd.dtype:
         # torch's round-to-nearest cast (rare: model dtype differs from bf16 storage); the
@@ -326,11 +330,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch
         k = k.contiguous()
     if v.stride(2) != 1:
         v = v.contiguous()
-    bt = block_t or (BLOCK_T_WIDE if code in (FMT_COPY, FMT_INT8) else BLOCK_T)
-    if bt < 2 or bt & (bt - 1):
-        raise ValueError(f"store_kv: block_t must be a power of 2 >= 2, got {bt}")
-    if num_warps is not None and (num_warps < 1 or num_warps > 32 or num_warps & (num_warps - 1)):
-        raise ValueError(f"store_kv: num_warps must be a power of 2 in 1..32, got {num_warps}")
     if STORE_FWHT or code in (FMT_COPY, FMT_INT8):  # only the tl.dot rotation needs 16 rows
         bt = min(bt, max(2, triton.next_power_of_2(t)))
     grid = (triton.cdiv(t, bt), hkv, 2 * (1 if code == FMT_COPY else d // GROUP))
@@ -340,24 +339,3 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch
         FMT=code, D=d, BLOCK_D=triton.next_power_of_2(d), PAGE=page, BT=bt, FWHT=STORE_FWHT,
         num_warps=num_warps or (1 if bt <= 4 else 4),
         enable_fp_fusion=False)  # no FMA contraction: every rounding as in the reference
-
-
-def _try_cuda(k, v, kd, ks, vd, vs, slot_mapping, code, fmt, page, backend) -> bool:
-    """Run the CUDA C++ store if it can take this call; False sends the call to Triton."""
-    from ninfer.kernels import store_kv_cuda as sc
-    why = sc.cuda_store_supported(k, fmt.name)
-    if why is not None:
-        if backend == "cuda":
-            raise ValueError(f"store_kv: CUDA store unavailable: {why}")
-        return False
-    if k.stride(2) != 1 or v.stride(2) != 1:
-        k, v = k.contiguous(), v.contiguous()
-    try:
-        sc.store_kv_cuda(k, v, kd, ks, vd, vs, slot_mapping, code, float(fmt.scale_divisor), page)
-    except Exception as e:  # a broken compiler or driver must not stop the engine: Triton writes the same bytes
-        if backend == "cuda":
-            raise
-        sc._STORE.error = f"{type(e).__name__}: {e}"
-        log.warning("store_kv: CUDA store failed (%s); the Triton store takes over", sc._STORE.error)
-        return False
-    return True

@@ -1,7 +1,7 @@
 """CUDA C++ store for the 4-bit formats (rk4v4, rk4v4-e8): csrc/store_kv.cu, a thread per 64-group
 for launches of ROWS_MIN_GROUPS 64-groups or more, eight lanes per group (one word each) below.
 
-Same contract and bytes as the Triton ``store_kv`` (which stays the portable path and the one
+Same contract and bytes as ``store_kv_triton`` (which stays the portable path and the one
 the CPU tests run): the kernel's arithmetic is ``csrc/kv_encode.cuh``, which the CPU tests also
 build for the host and compare with the torch reference encoder bit for bit.
 """
@@ -11,9 +11,9 @@ import math
 
 import torch
 
-from ninfer.kernels._common import FMT_E8, FMT_RK4, fmt_code
+from ninfer.kernels._common import FMT_E8, FMT_RK4
 from ninfer.kernels.cuda_build import CudaProgram, compiler_unavailable
-from ninfer.kvcache.formats import get_format
+from ninfer.kvcache.formats import KVFormat
 
 THREADS = 128
 # From this many 64-groups per launch (tokens x Hkv x D/64 x 2) on, one thread per group
@@ -28,13 +28,12 @@ _ST = {torch.int64: "int64_t", torch.int32: "int32_t"}
 
 
 def defs(code: int, x_dtype: torch.dtype, slot_dtype: torch.dtype) -> dict:
-    return {"KV_FMT": 3 if code == FMT_E8 else 2, "KV_XT": _XT[x_dtype], "KV_ST": _ST[slot_dtype]}
+    return {"KV_FMT": code, "KV_XT": _XT[x_dtype], "KV_ST": _ST[slot_dtype]}
 
 
-def cuda_store_unsupported(fmt_name: str, device: torch.device, x_dtype: torch.dtype, head_dim: int) -> str | None:
+def cuda_store_unsupported(fmt: KVFormat, device: torch.device, x_dtype: torch.dtype, head_dim: int) -> str | None:
     """None if the CUDA store can serve this format and geometry, else the reason it cannot."""
-    fmt = get_format(fmt_name)
-    if fmt_code(fmt) not in (FMT_RK4, FMT_E8):
+    if fmt.kernel_code not in (FMT_RK4, FMT_E8):
         return f"format {fmt.name} has no CUDA store"
     if device.type != "cuda":
         return "not on CUDA"
@@ -48,18 +47,35 @@ def cuda_store_unsupported(fmt_name: str, device: torch.device, x_dtype: torch.d
     return compiler_unavailable()
 
 
-def cuda_store_supported(k: torch.Tensor, fmt_name: str) -> str | None:
-    """None if the CUDA store can take this call, else why not (the Triton store then runs)."""
-    why = cuda_store_unsupported(fmt_name, k.device, k.dtype, k.shape[2])
+def load_store_cuda(fmt: KVFormat, device: torch.device, x_dtype: torch.dtype,
+                    slot_dtype: torch.dtype = torch.int64) -> None:
+    """Build and load both store entries now (startup), so a broken compiler is found before serving."""
+    for entry in ("kv_store", "kv_store_rows"):
+        _STORE.load(defs(fmt.kernel_code, x_dtype, slot_dtype), device, 0, THREADS, entry)
+
+
+def store_kv_cuda(k: torch.Tensor, v: torch.Tensor, planes: dict, slot_mapping: torch.Tensor, fmt: KVFormat,
+                  *, variant: dict | None = None) -> None:
+    """The CUDA C++ store: same contract and bytes as ``store_kv_triton``; ValueError where it cannot run.
+    variant: extra -D defines (the benchmark's register-cap variants)."""
+    from ninfer.kernels.store_kv import checked_store_args
+    code, kd, ks, vd, vs, page = checked_store_args(k, v, planes, slot_mapping, fmt)
+    why = cuda_store_unsupported(fmt, k.device, k.dtype, k.shape[2])
     if why is None and k.shape[0] * 2 * (k.shape[2] // 64) * 8 >= 2**31:
         why = "too many tokens for one launch"
-    return why or _STORE.error
+    if why is not None:
+        raise ValueError(f"store_kv_cuda: {why}")
+    if k.shape[0] == 0:
+        return
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    launch_store_kv_cuda(k, v, kd, ks, vd, vs, slot_mapping, code, float(fmt.scale_divisor), page, variant)
 
 
-def store_kv_cuda(k, v, kd, ks, vd, vs, slot_mapping, code: int, divisor: float, page: int,
-                  variant: dict | None = None) -> None:
+def launch_store_kv_cuda(k, v, kd, ks, vd, vs, slot_mapping, code: int, divisor: float, page: int,
+                         variant: dict | None = None) -> None:
     """k/v [T, Hkv, D] (last dim contiguous) -> int32 word planes kd/vd [pages, Hkv, page, D/8] and
-    fp16 scale planes ks/vs [pages, Hkv, page, D/64]; checked by store_kv before it gets here.
+    fp16 scale planes ks/vs [pages, Hkv, page, D/64]; unchecked (``store_kv_cuda`` checks).
     variant: extra -D defines (the benchmark's register-cap variants)."""
     t, hkv, d = k.shape
     groups = d // 64

@@ -6,17 +6,23 @@ Sequence protocol (what the scheduler's sequence object must provide; see `Seque
                                 sampled token whose KV is not yet stored
     block_table: list[int]      page ids, owned and rewritten by the BlockManager
     num_cached_tokens: int      set by `allocate`: leading tokens served from the prefix cache
+    state_slot: int             set by `allocate` when the manager has state slots (-1 after `free`)
 
 Public API
 ----------
-`BlockManager(num_pages, page_size=PAGE_SIZE, enable_prefix_caching=True)`
+`BlockManager(num_pages, page_size=PAGE_SIZE, enable_prefix_caching=True, num_state_slots=0)`
 * `can_allocate(seq) -> bool`, `allocate(seq) -> int` (pages for all of seq.token_ids; returns the
   number of leading tokens whose KV is reused from the prefix cache; the engine computes the rest)
 * `may_append(seq) -> bool`, `append_slot(seq) -> None` (grow the table to cover len(token_ids))
 * `mark_computed(seq, num_computed_tokens)`: after a step, the pages whose KV is now fully written
   become reusable prefixes (a page is only published once its KV exists, so a chunked prefill of
   one sequence can never hand half-written pages to another)
-* `free(seq)`: finish, abort or preempt; cached pages stay findable until reused (LRU)
+* `free(seq)`: finish, abort or preempt; cached pages stay findable until reused (LRU); the
+  sequence's state slot goes back too
+* state slots (models with recurrent layers, ninfer/kvcache/spec.py): `num_state_slots` rows of the
+  pool's state tensors; `allocate` gives each sequence one with its pages (and `can_allocate` needs
+  one free), `free` takes it back; `num_free_slots`. Prefix reuse is refused with slots: a
+  reused page would need the recurrent state at its end, which is not kept.
 * `num_pages`, `num_free_pages`, `usage` (fraction of pages held by live sequences),
   `num_cached_pages`, `reset_prefix_cache()`, `check_invariants(live_seqs)`
 
@@ -58,9 +64,16 @@ class _Page:
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int = PAGE_SIZE, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_pages: int, page_size: int = PAGE_SIZE, enable_prefix_caching: bool = True,
+                 num_state_slots: int = 0) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
+        if num_state_slots < 0 or (num_state_slots and enable_prefix_caching):
+            raise ValueError(f"num_state_slots={num_state_slots}: must be >= 0, and prefix caching must be off "
+                             "with recurrent state slots")
+        self.num_state_slots = num_state_slots
+        self._free_slots: deque[int] = deque(range(num_state_slots))
+        self._slot_of: dict[Hashable, int] = {}
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -84,6 +97,10 @@ class BlockManager:
     def num_cached_pages(self) -> int:
         """Pages with a published hash (live or evictable)."""
         return len(self._by_hash)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
 
     @property
     def usage(self) -> float:
@@ -125,6 +142,8 @@ class BlockManager:
         return hits
 
     def can_allocate(self, seq: SequenceLike) -> bool:
+        if self.num_state_slots and not self._free_slots:
+            return False
         hits = self._lookup(seq)
         # A hit on an evictable page takes it out of the free count too.
         hits_free = sum(1 for p in hits if self._pages[p].ref_count == 0)
@@ -166,6 +185,8 @@ class BlockManager:
             table.append(self._take_free_page())
         seq.block_table = table
         seq.num_cached_tokens = len(hits) * self.page_size
+        if self.num_state_slots:
+            seq.state_slot = self._slot_of[seq.seq_id] = self._free_slots.popleft()
         self._chains[seq.seq_id] = self._chain(seq)
         self._published[seq.seq_id] = len(hits)
         self._probe = None
@@ -213,6 +234,10 @@ class BlockManager:
                     self._free.append(pid)
         seq.block_table = []
         seq.num_cached_tokens = 0
+        slot = self._slot_of.pop(seq.seq_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+            seq.state_slot = -1
         self._chains.pop(seq.seq_id, None)
         self._published.pop(seq.seq_id, None)
         if self._probe is not None and self._probe[0] is seq:
@@ -253,6 +278,13 @@ class BlockManager:
                 raise RuntimeError(f"hash index points at page {pid} with another hash")
         if any(self._pages[pid].hash is None for pid in evict) or any(self._pages[pid].hash for pid in free):
             raise RuntimeError("free/evictable lists disagree with page hashes")
+        slots = [self._slot_of.get(s.seq_id) for s in live] if self.num_state_slots else []
+        free_slots = set(self._free_slots)
+        if slots and (None in slots or len(set(slots)) != len(slots) or set(slots) & free_slots
+                      or len(slots) + len(free_slots) != self.num_state_slots
+                      or any(getattr(s, "state_slot", None) != x for s, x in zip(live, slots))):
+            raise RuntimeError(f"state slots disagree: live {slots}, free {sorted(self._free_slots)} "
+                               f"of {self.num_state_slots}")
         # A page another sequence writes into (its tail page, not full) must be private to it.
         for s in live:
             n = len(s.token_ids)

@@ -6,12 +6,15 @@ Public API
 ----------
 * `plan_memory(model, *, kv_dtype, total_bytes, free_bytes, max_context=None, kv_capacity="auto",
   max_num_seqs=64, max_num_batched_tokens=8192, weights_dtype="auto", device_type="cuda",
-  enforce_eager=False, headroom_bytes=None, weights_bytes=None, weights_resident=False) -> MemoryPlan`
+  enforce_eager=False, headroom_bytes=None, weights_bytes=None, weights_resident=False,
+  cache_spec=None) -> MemoryPlan`
 * `plan_for_engine(model, cfg: EngineConfig, mem: DeviceMemory, device_type, ...) -> MemoryPlan`
 * `MemoryPlan` (frozen): every term in bytes, `num_pages`, `capacity_tokens`, `bytes_per_token`,
   derived `runtime_bytes`, `free_after_weights`, `free_after_startup`, `slack_bytes`,
   `largest_context`; `capacity_line()`, `summary_lines()`, `with_observed(...)`, `as_dict()`.
-* `ContextDoesNotFit(ValueError)`: `.needed_bytes`, `.available_bytes`, `.largest_context`.
+* `ContextDoesNotFit(ValueError)`: `.needed_bytes`, `.available_bytes`, `.largest_context`;
+  `StatesDoNotFit(ContextDoesNotFit)`: max_num_seqs recurrent states alone do not fit (`.max_num_seqs_fit`).
+* `default_cache_spec(model, kv_dtype)`: an AttentionSpec per full-attention layer (ninfer/kvcache/spec.py).
 * `device_memory(device, memory_limit_gib=None) -> DeviceMemory(total, free)`.
 * `kv_bytes_per_token(model, kv_dtype, model_dtype)`, `canonical_kv_dtype(name)`,
   `resolve_weights_dtype(name, model)`, `activation_workspace(...)`, `cuda_graph_batch_sizes(n)`,
@@ -19,14 +22,16 @@ Public API
 
 Terms (all bytes; "context pages" = ceil(max_context / PAGE_SIZE)):
   weights       model.weight_bytes(dtype), or the exact size the loader reports
-  kv            num_pages * PAGE_SIZE * bytes_per_token; bytes_per_token =
-                format.bytes_per_token_head(D) * num_kv_heads * full-attention layers
+  kv            num_pages * PAGE_SIZE * bytes_per_token; bytes_per_token = the cache spec's attention
+                layers: format.bytes_per_token_head(D) * num_kv_heads * attention layers
+  states        max_num_seqs * the spec's recurrent-state bytes per sequence (one slot per running
+                sequence; 0 for models without recurrent layers)
   page_tables   max_num_seqs * context pages * 4 (int32 block table, one row per running sequence)
   workspace     activations of the largest prefill chunk (see `activation_workspace`)
   graphs        decode CUDA-graph pool + its static block table (0 when eager or on CPU; `_graph_pool_bytes`)
   headroom      kept free for the allocator's fragmentation and library handles (1 GiB, or a tenth
                 of a small device)
-runtime = kv + page_tables + workspace + graphs; a plan fits when weights + runtime + headroom
+runtime = kv + states + page_tables + workspace + graphs; a plan fits when weights + runtime + headroom
 <= free. Everything but kv and page_tables is independent of the context, so the largest context
 that fits has a closed form (see `plan_memory`). There is no RoPE table term: cos/sin are computed
 from the positions of each step (models/rope.py), inside the workspace.
@@ -62,6 +67,14 @@ class ContextDoesNotFit(ValueError):
         self.largest_context = largest_context
         self.kv_dtype = kv_dtype
         self.max_context = max_context
+
+
+class StatesDoNotFit(ContextDoesNotFit):
+    """The recurrent states of max_num_seqs sequences do not fit next to the weights and workspace."""
+
+    def __init__(self, message: str, *, max_num_seqs_fit: int, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.max_num_seqs_fit = max_num_seqs_fit
 
 
 class DeviceMemory(NamedTuple):
@@ -101,6 +114,15 @@ def kv_bytes_per_token(model: ModelConfig, kv_dtype: str, model_dtype: str = "bf
     fmt = get_format(kv_dtype)
     per_head = int(fmt.bytes_per_token_head(model.head_dim, _torch_dtype(model_dtype)))
     return per_head * model.num_kv_heads * model.num_kv_layers
+
+
+def default_cache_spec(model: ModelConfig, kv_dtype: Any) -> Any:
+    """An AttentionSpec for every full-attention layer of the config, None for the others."""
+    from ninfer.kvcache.formats import get_format
+    from ninfer.kvcache.spec import AttentionSpec, CacheSpec
+    att = AttentionSpec(model.num_kv_heads, model.head_dim, get_format(kv_dtype))
+    full = set(model.full_attention_layers)
+    return CacheSpec(tuple(att if i in full else None for i in range(model.num_layers)))
 
 
 def activation_workspace(model: ModelConfig, tokens: int, act_bytes: int, max_num_seqs: int) -> dict[str, int]:
@@ -178,10 +200,12 @@ class MemoryPlan:
     largest_context: int          # largest max_context that fits with this kv_dtype (pool = one context)
     graph_bytes_observed: int | None = None
     free_after_startup_observed: int | None = None
+    state_bytes: int = 0          # recurrent states: max_num_seqs slots
+    state_bytes_per_seq: int = 0
 
     @property
     def runtime_bytes(self) -> int:
-        return self.kv_bytes + self.page_table_bytes + self.workspace_bytes + self.graph_bytes
+        return self.kv_bytes + self.state_bytes + self.page_table_bytes + self.workspace_bytes + self.graph_bytes
 
     @property
     def free_after_weights(self) -> int:
@@ -212,7 +236,9 @@ class MemoryPlan:
                 f"free-after-weights={format_bytes(self.free_after_weights)} "
                 f"free-after-startup={format_bytes(self.free_after_startup)} "
                 f"headroom={format_bytes(self.headroom_bytes)} slack={format_bytes(self.slack_bytes)} "
-                f"graphs={observed}/{format_bytes(self.graph_bytes)}")
+                f"graphs={observed}/{format_bytes(self.graph_bytes)}"
+                + (f" states={format_bytes(self.state_bytes)} ({self.state_bytes_per_seq} B/seq x "
+                   f"{self.max_num_seqs} slots)" if self.state_bytes else ""))
 
     def summary_lines(self) -> list[str]:
         """The facts vLLM users look for, plus every reserved term."""
@@ -226,9 +252,12 @@ class MemoryPlan:
         ]
 
     def terms(self) -> dict[str, int]:
-        return {"weights": self.weights_bytes, "kv": self.kv_bytes, "page_tables": self.page_table_bytes,
-                "workspace": self.workspace_bytes,
-                "graphs": self.graph_bytes, "headroom": self.headroom_bytes}
+        t = {"weights": self.weights_bytes, "kv": self.kv_bytes}
+        if self.state_bytes:
+            t["states"] = self.state_bytes
+        t.update(page_tables=self.page_table_bytes, workspace=self.workspace_bytes, graphs=self.graph_bytes,
+                 headroom=self.headroom_bytes)
+        return t
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -247,11 +276,14 @@ def plan_memory(model: ModelConfig, *, kv_dtype: str, total_bytes: int, free_byt
                 max_context: int | None = None, kv_capacity: int | str = "auto", max_num_seqs: int = 64,
                 max_num_batched_tokens: int = 8192, weights_dtype: str = "auto", device_type: str = "cuda",
                 enforce_eager: bool = False, headroom_bytes: int | None = None,
-                weights_bytes: int | None = None, weights_resident: bool = False) -> MemoryPlan:
+                weights_bytes: int | None = None, weights_resident: bool = False,
+                cache_spec: Any = None) -> MemoryPlan:
     """Resolve the KV pool for one kv-dtype. `free_bytes` is measured before the weights are loaded,
     unless `weights_resident` (then it is the free memory with the weights already in place).
-    Raises ContextDoesNotFit when even one max_context sequence (or the explicit capacity) does not
-    fit, ValueError for inconsistent knobs."""
+    `cache_spec` (a CacheSpec; default: `default_cache_spec`) says which layers hold paged KV and
+    which a recurrent state; its attention format must be `kv_dtype`'s.
+    Raises StatesDoNotFit when max_num_seqs states alone do not fit, ContextDoesNotFit when even one
+    max_context sequence (or the explicit capacity) does not fit, ValueError for inconsistent knobs."""
     max_context = int(model.max_position_embeddings if max_context is None else max_context)
     for name, v in (("max_context", max_context), ("max_num_seqs", max_num_seqs),
                     ("max_num_batched_tokens", max_num_batched_tokens)):
@@ -262,7 +294,12 @@ def plan_memory(model: ModelConfig, *, kv_dtype: str, total_bytes: int, free_byt
     wdtype = resolve_weights_dtype(weights_dtype, model)
     kv_dtype = canonical_kv_dtype(kv_dtype)
     act = _DTYPE_BYTES[wdtype]
-    bpt = kv_bytes_per_token(model, kv_dtype, wdtype)
+    spec = default_cache_spec(model, kv_dtype) if cache_spec is None else cache_spec
+    if spec.attention.fmt.name != kv_dtype:
+        raise ValueError(f"the cache spec's KV format is {spec.attention.fmt.name}, the plan's kv_dtype {kv_dtype}")
+    bpt = spec.bytes_per_token(_torch_dtype(wdtype))
+    state_per_seq = spec.state_bytes_per_seq()
+    states = max_num_seqs * state_per_seq
     page_bytes = bpt * PAGE_SIZE
     ctx_pages = math.ceil(max_context / PAGE_SIZE)
     w_bytes = int(model.weight_bytes(wdtype) if weights_bytes is None else weights_bytes)
@@ -276,7 +313,7 @@ def plan_memory(model: ModelConfig, *, kv_dtype: str, total_bytes: int, free_byt
     # graphs). Everything else is independent of the context.
     table_copies = 2 if use_graphs else 1
     per_ctx_page = table_copies * max_num_seqs * BLOCK_TABLE_ENTRY_BYTES
-    fixed = w_bytes + workspace + graph_pool + headroom
+    fixed = w_bytes + workspace + graph_pool + headroom + states
     # Largest context L (pages) with a pool of exactly L pages: fixed + L*(page + per_ctx_page) <= free.
     largest = max(0, (free_bytes - fixed) // (page_bytes + per_ctx_page)) * PAGE_SIZE
     page_tables = max_num_seqs * ctx_pages * BLOCK_TABLE_ENTRY_BYTES
@@ -296,6 +333,19 @@ def plan_memory(model: ModelConfig, *, kv_dtype: str, total_bytes: int, free_byt
             raise ValueError(f"kv_capacity={cap} tokens is smaller than max_context={max_context}: one "
                              f"full-length request could never run; raise --kv-capacity or lower --max-context")
         pages = min_pages = math.ceil(cap / PAGE_SIZE)
+    if states and kv_room < min_pages * page_bytes <= kv_room + states:
+        # Without the states it would fit: they are what does not (page tables, workspace and graphs
+        # shrink with fewer sequences too, so `fit` sequences certainly fit).
+        fit = (kv_room + states - min_pages * page_bytes) // state_per_seq
+        raise StatesDoNotFit(
+            f"max_num_seqs={max_num_seqs} does not fit: its recurrent states need {states} bytes "
+            f"({format_bytes(states)}: {state_per_seq} B/seq x {max_num_seqs} slots) but only "
+            f"{kv_room + states - min_pages * page_bytes} bytes are left after weights {format_bytes(w_bytes)}, "
+            f"KV {format_bytes(min_pages * page_bytes)}, page tables {format_bytes(page_tables + graph_tables)}, "
+            f"workspace {format_bytes(workspace)}, graphs {format_bytes(graph_pool)} and headroom "
+            f"{format_bytes(headroom)}; at most {fit} sequences' states fit (lower --max-num-seqs)",
+            max_num_seqs_fit=int(fit), needed_bytes=free_bytes - kv_room + min_pages * page_bytes,
+            available_bytes=free_bytes, largest_context=0, kv_dtype=kv_dtype, max_context=max_context)
     if kv_room < min_pages * page_bytes:
         needed = fixed + graph_tables + page_tables + min_pages * page_bytes
         what = (f"max_context={max_context}" if mode == "auto"
@@ -303,27 +353,28 @@ def plan_memory(model: ModelConfig, *, kv_dtype: str, total_bytes: int, free_byt
         raise ContextDoesNotFit(
             f"{what} does not fit with kv_dtype={kv_dtype} ({bpt} B/token): it needs {needed} bytes "
             f"({format_bytes(needed)}: weights {format_bytes(w_bytes)} + KV {format_bytes(min_pages * page_bytes)} + "
-            f"page tables {format_bytes(page_tables)} + workspace "
-            f"{format_bytes(workspace)} + graphs {format_bytes(graphs)} + headroom {format_bytes(headroom)}) "
+            + (f"states {format_bytes(states)} + " if states else "")
+            + f"page tables {format_bytes(page_tables)} + workspace {format_bytes(workspace)} + graphs {format_bytes(graphs)} + headroom {format_bytes(headroom)}) "
             f"but only {free_bytes} bytes ({format_bytes(free_bytes)}) are available; the largest context that "
             f"fits with {kv_dtype} is {largest} tokens"
-            + (f" (weights, workspace, graphs and headroom alone need {fixed} bytes)" if largest == 0 else ""),
+            + (f" (weights, {'states, ' if states else ''}workspace, graphs and headroom alone need {fixed} bytes)"
+               if largest == 0 else ""),
             needed_bytes=needed, available_bytes=free_bytes, largest_context=largest,
             kv_dtype=kv_dtype, max_context=max_context)
     return MemoryPlan(
         kv_dtype=kv_dtype, capacity_mode=mode, device_type=device_type, max_context=max_context,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, weights_dtype=wdtype,
-        page_size=PAGE_SIZE, num_kv_layers=model.num_kv_layers, num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim, bytes_per_token=bpt, page_bytes=page_bytes, num_pages=int(pages),
+        page_size=PAGE_SIZE, num_kv_layers=spec.num_kv_layers, num_kv_heads=spec.attention.num_kv_heads,
+        head_dim=spec.attention.head_dim, bytes_per_token=bpt, page_bytes=page_bytes, num_pages=int(pages),
         capacity_tokens=int(pages) * PAGE_SIZE, total_bytes=total_bytes, free_bytes=free_bytes,
         weights_bytes=w_bytes, kv_bytes=int(pages) * page_bytes, page_table_bytes=page_tables,
         workspace_bytes=workspace, graph_bytes=graphs, headroom_bytes=headroom,
-        largest_context=int(largest))
+        largest_context=int(largest), state_bytes=int(states), state_bytes_per_seq=int(state_per_seq))
 
 
 def plan_for_engine(model: ModelConfig, cfg: Any, mem: DeviceMemory, device_type: str, *,
                     max_context: int | None = None, weights_bytes: int | None = None,
-                    weights_resident: bool = False) -> MemoryPlan:
+                    weights_resident: bool = False, cache_spec: Any = None) -> MemoryPlan:
     """`plan_memory` with the knobs of an EngineConfig (`max_context` overrides cfg's, e.g. after
     the engine resolved rope scaling)."""
     return plan_memory(
@@ -331,7 +382,8 @@ def plan_for_engine(model: ModelConfig, cfg: Any, mem: DeviceMemory, device_type
         max_context=max_context if max_context is not None else cfg.max_context,
         kv_capacity=cfg.kv_capacity, max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens, weights_dtype=cfg.dtype, device_type=device_type,
-        enforce_eager=cfg.enforce_eager, weights_bytes=weights_bytes, weights_resident=weights_resident)
+        enforce_eager=cfg.enforce_eager, weights_bytes=weights_bytes, weights_resident=weights_resident,
+        cache_spec=cache_spec)
 
 
 def _cpu_memory() -> DeviceMemory:

@@ -1,22 +1,27 @@
-"""The KV cache pool: per KV layer, one tensor per plane of the KV format, all allocated up front.
+"""The KV cache pool: per KV layer, one tensor per plane of the KV format, all allocated up front;
+per recurrent layer, a state tensor set over a fixed pool of sequence slots.
 
 Public API
 ----------
 `KVCachePool(fmt, num_layers, num_kv_heads, head_dim, num_pages, page_size=PAGE_SIZE, device="cpu",
-model_dtype=torch.bfloat16)`; `fmt` is a KVFormat or its name.
+model_dtype=torch.bfloat16, *, states=(), num_slots=0)`; `fmt` is a KVFormat or its name.
+`KVCachePool.from_spec(spec: CacheSpec, num_pages, num_slots, device, model_dtype)` (ninfer/kvcache/spec.py).
 * `layers[i]`: dict plane name -> tensor [num_pages, num_kv_heads, page_size, extent]
-  (i = KV layer index; for hybrid models, the i-th full-attention layer)
+  (i = attention-layer index: the i-th layer with an AttentionSpec, `CacheSpec.kv_index`)
+* `states[j]`: dict state name -> tensor [num_slots, *shape], zero-filled (j = the j-th layer with a
+  RecurrentStateSpec, `CacheSpec.state_index`); `num_slots`, `state_bytes_allocated`,
+  `reset_states(slots)` (zero the given slots in every state tensor)
 * `planes`: the format's plane tuple; `bytes_per_token`, `bytes_allocated`, `capacity_tokens`;
   `buffer`: the one flat uint8 allocation every plane is a view of
 * `geometry_lines() -> list[str]`: what was allocated, for the startup log (DESIGN §2.2)
 * `assert_geometry()`: raises GeometryError unless every tensor matches the format entry
   (planes, dtypes, extents, shapes, bytes) and packed formats really hold 4 bits per coordinate
-* `KVCachePool.from_plan(plan, device, model_dtype)`
+* `KVCachePool.from_plan(plan, device, model_dtype, spec=None)`
 Slot s lives at page s // page_size, offset s % page_size. Page 0 is a real page.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -45,10 +50,13 @@ def _dtype_name(dt: torch.dtype) -> str:
 class KVCachePool:
     def __init__(self, fmt: Any, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
                  page_size: int = PAGE_SIZE, device: torch.device | str = "cpu",
-                 model_dtype: torch.dtype = torch.bfloat16) -> None:
+                 model_dtype: torch.dtype = torch.bfloat16, *, states: Sequence[Any] = (),
+                 num_slots: int = 0) -> None:
         if isinstance(fmt, str):
             from ninfer.kvcache.formats import get_format
             fmt = get_format(fmt)
+        if states and int(num_slots) < 1:
+            raise ValueError(f"KVCachePool: recurrent states need num_slots >= 1, got {num_slots}")
         for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                         ("num_pages", num_pages), ("page_size", page_size)):
             if int(v) < 1:
@@ -75,14 +83,52 @@ class KVCachePool:
                 layer[p.name] = self.buffer[off:off + size].view(p.dtype).view(shape)
                 off += size
             self.layers.append(layer)
+        self.state_specs = tuple(states)
+        self.num_slots = int(num_slots) if states else 0
+        self.states: list[dict[str, torch.Tensor]] = [
+            {n: torch.zeros((self.num_slots, *shape), dtype=st.dtype(n), device=self.device)
+             for n, shape in st.shapes.items()} for st in self.state_specs]
 
     @classmethod
-    def from_plan(cls, plan: Any, device: torch.device | str, model_dtype: torch.dtype | None = None) -> "KVCachePool":
-        """A pool exactly as large as a planner.MemoryPlan says (bytes_allocated == plan.kv_bytes)."""
+    def from_spec(cls, spec: Any, num_pages: int, num_slots: int, device: torch.device | str,
+                  model_dtype: torch.dtype = torch.bfloat16, page_size: int = PAGE_SIZE) -> "KVCachePool":
+        """Pages for the spec's attention layers, `num_slots` state slots for its recurrent layers."""
+        a = spec.attention
+        return cls(a.fmt, spec.num_kv_layers, a.num_kv_heads, a.head_dim, num_pages, page_size, device, model_dtype,
+                   states=spec.state_specs, num_slots=num_slots)
+
+    @classmethod
+    def from_plan(cls, plan: Any, device: torch.device | str, model_dtype: torch.dtype | None = None,
+                  spec: Any = None) -> "KVCachePool":
+        """A pool exactly as large as a planner.MemoryPlan says (bytes_allocated == plan.kv_bytes,
+        state_bytes_allocated == plan.state_bytes); `spec` is the CacheSpec the plan was made from."""
         if model_dtype is None:
             model_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[plan.weights_dtype]
-        return cls(plan.kv_dtype, plan.num_kv_layers, plan.num_kv_heads, plan.head_dim, plan.num_pages,
-                   plan.page_size, device, model_dtype)
+        if spec is None:
+            if getattr(plan, "state_bytes", 0):
+                raise ValueError("KVCachePool.from_plan: the plan has recurrent states; pass its CacheSpec")
+            return cls(plan.kv_dtype, plan.num_kv_layers, plan.num_kv_heads, plan.head_dim, plan.num_pages,
+                       plan.page_size, device, model_dtype)
+        pool = cls.from_spec(spec, plan.num_pages, plan.max_num_seqs, device, model_dtype, plan.page_size)
+        if pool.bytes_per_token != plan.bytes_per_token or pool.state_bytes_allocated != plan.state_bytes:
+            raise ValueError(f"KVCachePool.from_plan: the spec gives {pool.bytes_per_token} B/token and "
+                             f"{pool.state_bytes_allocated} state bytes, the plan {plan.bytes_per_token} and "
+                             f"{plan.state_bytes}")
+        return pool
+
+    @property
+    def state_bytes_allocated(self) -> int:
+        return sum(t.numel() * t.element_size() for st in self.states for t in st.values())
+
+    def reset_states(self, slots: torch.Tensor | list[int]) -> None:
+        """Zero the given state slots of every recurrent layer (a sequence starting from scratch)."""
+        if not self.states:
+            return
+        idx = torch.as_tensor(slots, dtype=torch.long, device=self.device)
+        if idx.numel():
+            for st in self.states:
+                for t in st.values():
+                    t.index_fill_(0, idx, 0)
 
     @property
     def bytes_per_token(self) -> int:
@@ -103,12 +149,18 @@ class KVCachePool:
         actually allocated, read from the tensors."""
         t0 = self.layers[0]
         planes = " ".join(f"{n}={_dtype_name(t.dtype)}x{t.shape[-1]}" for n, t in t0.items())
-        return [
+        lines = [
             f"{self.fmt.geometry_line(self.head_dim, self.model_dtype, allocated=t0)} layers={self.num_layers}",
             f"kv pool: layers={self.num_layers} pages={self.num_pages} page_size={self.page_size} "
             f"kv_heads={self.num_kv_heads} head_dim={self.head_dim} planes[{planes}] "
             f"bytes/token={self.bytes_per_token} allocated={self.bytes_allocated}",
         ]
+        if self.states:
+            tensors = " ".join(f"{n}={_dtype_name(t.dtype)}{list(t.shape[1:])}" for n, t in self.states[0].items())
+            lines.append(f"state pool: layers={len(self.states)} slots={self.num_slots} layer0[{tensors}] "
+                         f"bytes/seq={self.state_bytes_allocated // self.num_slots} "
+                         f"allocated={self.state_bytes_allocated}")
+        return lines
 
     def assert_geometry(self) -> None:
         """Check every allocated tensor against the format entry; raise GeometryError on any mismatch."""
@@ -160,5 +212,11 @@ class KVCachePool:
         if not self.bytes_allocated == planes_bytes == self.bytes_per_token * self.capacity_tokens:
             errors.append(f"allocated {self.bytes_allocated} bytes ({planes_bytes} in planes), the format "
                           f"implies {self.bytes_per_token * self.capacity_tokens}")
+        for j, (spec, st) in enumerate(zip(self.state_specs, self.states)):
+            for n, shape in spec.shapes.items():
+                t = st.get(n)
+                if t is None or tuple(t.shape) != (self.num_slots, *shape) or t.dtype != spec.dtype(n):
+                    errors.append(f"state layer {j} tensor {n}: {None if t is None else list(t.shape)}, spec wants "
+                                  f"{_dtype_name(spec.dtype(n))}{[self.num_slots, *shape]}")
         if errors:
             raise GeometryError(f"KV plane geometry does not match kv_dtype={fmt.name}: " + "; ".join(errors))

@@ -75,6 +75,12 @@ class CausalLM(nn.Module):
             h = layer(h, cos, sin, meta, backend)
         return self.model.norm(h)
 
+    def cache_specs(self, fmt) -> "CacheSpec":
+        """What each layer keeps between steps (ninfer/kvcache/spec.py): paged KV in ``fmt`` for every layer."""
+        from ninfer.kvcache.spec import CacheSpec
+        cfg = self.config
+        return CacheSpec.uniform_attention(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, fmt)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 

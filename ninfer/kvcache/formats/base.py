@@ -1,18 +1,18 @@
-"""KV format registry (DESIGN 2, docs/ARCHITECTURE.md "KV formats"): planes, bytes, encode/decode.
+"""The KV format contract (``KVFormat``), its planes (``Plane``) and the shared scale helpers.
 
-Every other module (planner, pool, kernels, logs) reads the format from here; ``encode`` and
-``decode`` are the torch reference the kernels are tested against.
+A format is an object: the pool, the planner, the attention backends and the kernels all take the
+object, never its name. What a format says about itself:
 
-Formats
--------
-* ``auto``   unquantized, planes in the model dtype.
-* ``bf16``   unquantized bfloat16.
-* ``int8``   NOT rotated; symmetric int8, one fp16 scale per 64-group, s = absmax/127,
-             q = clamp(rint(x/s), -127, 127) (upstream's group-64 int8 control).
-* ``rk4v4``  rotated (R = S.H64.S, ``hadamard.py``), fp16 scale per 64-group, s = absmax/C4, n = clamp(rint(z), -8, 7),
-             4-bit nibbles in the layout of ``e8.py`` (no coset bit).
-* ``rk4v4-e8`` rotated like rk4v4, fp16 scale per 64-group, s = absmax/C_E8, nearest E8 point in the
-             box, coset bit in nibble 7 (``e8.py``). The headline format.
+* ``name``, ``description``; flags ``rotated`` (stored in the H64-rotated domain), ``packed`` (two
+  4-bit coordinates per byte), ``e8_lattice``, ``has_scales`` (fp16 scale per 64-group);
+  ``storage`` (the plane dtype, None = the model dtype), ``scale_divisor`` (C in s = absmax / C).
+* ``kernel_code``: the ONE number the kernels switch on (Triton constexpr ``FMT``, the CUDA
+  ``ND_FMT`` / ``KV_FMT`` defines): ``KERNEL_PLAIN`` .. ``KERNEL_E8`` below, or None for a format
+  with no kernels (served by the reference backend only; a kernel backend refuses it at startup).
+* ``planes(head_dim, model_dtype)``, ``bytes_per_token_head``, ``geometry_line``: the geometry
+  the pool allocates and the startup log prints, derived from the planes.
+* ``encode(x) -> (data, scale | None)`` and ``decode(data, scale)``: the torch reference the
+  kernels are tested against; a subclass implements ``_encode`` and ``decode_codes``.
 
 Scales (all scaled formats, bit-exact rule): ``s = fp16(absmax / C)`` with absmax and the
 division in float32. int8 rounds to the nearest fp16 (even on ties); a group that is not all zero
@@ -24,17 +24,6 @@ group has s = 0 and codes 0, so it decodes exactly to 0. Code units are ``z = x 
 with the *represented* fp16 s (float32 IEEE ops; within 1.5 ulp of x / s); rk4v4-e8 rounds
 the exact product to the 2^-8 grid instead (``e8.GRID``: exact fp16 values, see there).
 NaN/Inf input, or a group whose scale would overflow fp16, raises ValueError.
-
-Scale constant C (s = absmax/C), measured with ``ninfer bench codec --sweep-c`` (N(0,1) after
-the rotation, 2^21 values, fp16 scales; docs/BENCHMARKS.md "Codec (CPU)"):
-  C      7.0    7.5    7.75   8.0    8.25   8.5    9.0
-  rk4v4  19.35  19.76  19.97  20.06  20.03  19.89  19.34   dB
-  e8     19.94  20.53  20.76  20.92  20.97  20.88  20.38   dB
-(heavy-tailed data b, 2^20 values: rk4v4 peaks at 7.75, 0.06 dB above C = 8; rk4v4-e8 at 8.)
-C = 8 for both: the rk4v4 optimum, 0.04 dB below the rk4v4-e8 optimum (8.25), and a power of two,
-so absmax/C is exact (= absmax * 0.125): a kernel that multiplies by 1/C instead of dividing
-cannot round differently. With C = 8 the positive side clips at 7 (7.5 for E8) only values
-above 15/16 of the group absmax; the negative side reaches -8 exactly.
 """
 from __future__ import annotations
 
@@ -43,20 +32,14 @@ from typing import Mapping
 
 import torch
 
-from ninfer.kvcache import e8 as _e8
 from ninfer.kvcache.hadamard import rotate
 
 GROUP = 64
-C_INT8 = 127.0
-C_RK4 = 8.0
-C_E8 = 8.0
 _FP16_MAX = 65504.0
 _FP16_MIN_SUBNORMAL = 2.0 ** -24
 
-_REFUSED = {
-    "rk2v4-e8": "rk2v4-e8 is refused: the 2-bit E8-root (cylinder) key codebook of the seed lineage "
-                "loses too much K precision for retrieval and has no exact-decode spec here; use rk4v4-e8",
-}
+# Kernel variants (one numbering for the Triton kernels and the CUDA sources' defines).
+KERNEL_PLAIN, KERNEL_INT8, KERNEL_RK4, KERNEL_E8 = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -67,11 +50,11 @@ class Plane:
     extent: int  # elements per (token, kv head)
 
 
-def _dtype_name(dt: torch.dtype) -> str:
+def dtype_name(dt: torch.dtype) -> str:
     return str(dt).replace("torch.", "")
 
 
-def _check_finite(x: torch.Tensor) -> None:
+def check_finite(x: torch.Tensor) -> None:
     if not x.is_floating_point():
         raise ValueError(f"KV encode expects a floating-point tensor, got {x.dtype}")
     if not bool(torch.isfinite(x).all()):
@@ -111,14 +94,17 @@ def code_units(x: torch.Tensor, s: torch.Tensor, grid: float | None = None) -> t
 
 @dataclass(frozen=True)
 class KVFormat:
+    """Base class of every KV format; a subclass implements ``_encode`` (and ``decode_codes`` if
+    it has scales). Instances are immutable and hashable (kernels cache compiled variants on them)."""
     name: str
-    rotated: bool
-    packed: bool
-    e8_lattice: bool
-    has_scales: bool
-    storage: torch.dtype | None  # None: the model dtype (auto)
-    scale_divisor: float | None = None  # C in s = absmax / C
     description: str = ""
+    rotated: bool = False
+    packed: bool = False
+    e8_lattice: bool = False
+    has_scales: bool = False
+    storage: torch.dtype | None = None  # None: the model dtype (auto)
+    scale_divisor: float | None = None  # C in s = absmax / C
+    kernel_code: int | None = None      # None: no kernels (reference backend only)
 
     # ------------------------------------------------------------------ geometry
     def _check_dim(self, head_dim: int) -> None:
@@ -163,39 +149,27 @@ class KVFormat:
         scales = f"fp16x{head_dim // GROUP}" if self.has_scales else "none"
         return (f"kv planes: kv_dtype={self.name} packed_k={int(self.packed)} packed_v={int(self.packed)} "
                 f"e8_lattice={int(self.e8_lattice)} e8_root=0 extent={head_dim}->{k.extent} "
-                f"dtype={_dtype_name(k.dtype)} scales={scales}")
+                f"dtype={dtype_name(k.dtype)} scales={scales}")
 
     # ------------------------------------------------------------------ codec
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [..., D] float -> (data [..., extent], scale fp16 [..., D/64] or None)."""
-        _check_finite(x)
+        check_finite(x)
         self._check_dim(x.shape[-1])
-        if self.storage is None:
-            return x, None
-        if not self.has_scales:
-            return x.to(self.storage), None
-        xr = rotate(x).to(torch.float32) if self.rotated else x.to(torch.float32)
-        s16, s = group_scales(xr, float(self.scale_divisor), round_up=self.packed)
-        z = code_units(xr, s, _e8.GRID if self.e8_lattice else None)
-        if self.e8_lattice:  # the scale refit (e8.encode_e8_refit) picks the stored scale and points
-            return _e8.encode_e8_refit(z, s[..., 0])
-        if self.packed:
-            return _e8.encode_scalar4(z), s16
-        return torch.round(z).clamp_(-127, 127).to(torch.int8), s16
+        return self._encode(x)
+
+    def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError(f"kv_dtype={self.name} has no encoder")
 
     def decode_codes(self, data: torch.Tensor) -> torch.Tensor:
-        """Code values (before scaling) as float32 [..., D]: n, or p = n + c/2 for rk4v4-e8."""
-        if self.e8_lattice:
-            return _e8.decode_e8(data)
-        if self.packed:
-            return _e8.decode_scalar4(data)
+        """Code values (before scaling) as float32 [..., D]."""
         return data.to(torch.float32)
 
     def decode(self, data: torch.Tensor, scale: torch.Tensor | None, *, rotated: bool = False,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(data, scale) -> values [..., D]. ``rotated=True`` stays in the H64 domain (rotated formats)."""
         if not self.has_scales:
-            return data.to(dtype)
+            return self.decode_codes(data).to(dtype)
         if scale is None:
             raise ValueError(f"kv_dtype={self.name} needs its fp16 scales to decode")
         codes = self.decode_codes(data)
@@ -206,24 +180,16 @@ class KVFormat:
         return x.to(dtype)
 
 
-_FORMATS: dict[str, KVFormat] = {
-    "auto": KVFormat("auto", False, False, False, False, None, None, "unquantized, model dtype"),
-    "bf16": KVFormat("bf16", False, False, False, False, torch.bfloat16, None, "unquantized bfloat16"),
-    "int8": KVFormat("int8", False, False, False, True, torch.int8, C_INT8,
-                     "int8, fp16 scale per 64 (absmax/127), not rotated"),
-    "rk4v4": KVFormat("rk4v4", True, True, False, True, torch.uint8, C_RK4,
-                      "H64-rotated 4-bit scalar rounding, fp16 scale per 64"),
-    "rk4v4-e8": KVFormat("rk4v4-e8", True, True, True, True, torch.uint8, C_E8,
-                         "H64-rotated 4-bit E8 lattice with coset bit, fp16 scale per 64"),
-}
-FORMAT_NAMES: tuple[str, ...] = tuple(_FORMATS)
+class ScaledFormat(KVFormat):
+    """fp16 scale per 64-group (``group_scales``), optional H64 rotation, then ``quantize`` the code
+    units. 4-bit (packed) formats round their scales up, int8 to nearest."""
 
+    code_grid: float | None = None  # code units rounded to this grid (rk4v4-e8), else float32 products
 
-def get_format(name: str) -> KVFormat:
-    """The registry entry for ``name``; refused and unknown names raise ValueError."""
-    key = name.strip().lower() if isinstance(name, str) else name
-    if key in _REFUSED:
-        raise ValueError(_REFUSED[key])
-    if key not in _FORMATS:
-        raise ValueError(f"unknown kv_dtype {name!r}; valid: {', '.join(FORMAT_NAMES)}")
-    return _FORMATS[key]
+    def quantize(self, z: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        xr = rotate(x).to(torch.float32) if self.rotated else x.to(torch.float32)
+        s16, s = group_scales(xr, float(self.scale_divisor), round_up=self.packed)
+        return self.quantize(code_units(xr, s, self.code_grid)), s16
