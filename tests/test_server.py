@@ -323,6 +323,6 @@ def test_cli_flags_and_vllm_aliases() -> None:
     assert (a.max_context, a.kv_dtype, a.max_num_seqs, a.enforce_eager, a.enable_prefix_caching) == (
         32768, "int8", 3, True, False)
     assert (a.max_pending_requests, a.default_max_tokens, a.greedy, a.no_thinking, a.temperature) == (
-        0, 1000, True, True, 0.6)
+        0, 1024, True, True, 0.6)
     with pytest.raises(SystemExit):
         p.parse_args(["--max-pending-requests", "-1"])
