@@ -259,7 +259,7 @@ def test_kernel_backend_reports_its_kernel_paths(monkeypatch):
     none = "no nvcc, and NVRTC: libnvrtc not found"
     for why, fmt, d, want in (
             (None, "rk4v4-e8", 128, "store=cuda decode=cuda prefill=triton"),
-            (None, "int8", 128, "store=triton (format int8 has no CUDA store) decode=cuda prefill=triton"),
+            (None, "int8", 128, "store=triton (format int8 has no cuda store kernel) decode=cuda prefill=triton"),
             (None, "rk4v4", 64, "store=cuda decode=triton (head_dim 64: CUDA path needs 128 or 256) prefill=triton"),
             (none, "rk4v4-e8", 128, f"store=triton ({none}) decode=triton ({none}) prefill=triton")):
         monkeypatch.setattr(pdc, "_compiler", lambda why=why: why)

@@ -5,7 +5,7 @@ Interpreter: one child process with ``TRITON_INTERPRET=1`` (see tests/triton_int
 Steps on two sequences with shuffled pages: (1) prefill 70 + 5 tokens (a chunk crossing a page
 boundary); (2) a mixed step -- sequence A decodes one token while B prefills a 3-token chunk
 (the prefill kernel path with a 1-token query); (3) a pure decode step (``is_decode``, block
-tables padded to the full width: the CUDA-graph shape, through ``paged_decode``). After every
+tables padded to the full width: the CUDA-graph shape, through the decode op). After every
 step both pools must be byte-identical (store is bit-exact for these exactly-rotatable inputs)
 and the outputs must agree: ``rel = ||out - ref|| / ||ref|| <= 1e-2`` (the decode kernel rounds
 dot operands to fp16/bf16; the prefill kernel under the interpreter only rounds the output).

@@ -13,8 +13,8 @@ For each geometry (24q/4kv/D256 and 32q/8kv/D128) x context x batch and each for
   the device-to-device copy bandwidth measured in the same run (bytes read + written);
 * ratios to the int8 control (the faster of its backends) and to SDPA bf16 (flash, cuDNN) on a
   contiguous bf16 K/V of the same length (``enable_gqa=True``, no K/V expansion).
-Store (the store op the engine selects, ``ninfer.attention.selector``) and prefill (``ninfer.kernels.prefill``) rows are added when
-those modules exist; otherwise the report says they are absent.
+Store (the store op the engine selects, ``ninfer.attention.selector``) and prefill
+(``ninfer.kernels.prefill``) rows are added when those modules exist; otherwise the report says they are absent.
 """
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 
 (a) Agreement, per kv-dtype: start an engine, run one request whose prompt is exactly the largest
 prefill chunk (--max-num-batched-tokens) followed by decode steps, then set side by side
-  planned   the MemoryPlan terms (weights + runtime = kv + page tables + rope + workspace + graphs)
-  engine    what it holds: weights (its parameters), KV pool (bytes_allocated), graph pool (observed)
+  planned   the MemoryPlan terms (weights + runtime = kv + states + page tables + workspace + graphs)
+  engine    what it holds: weights (its parameters), KV pool (bytes_allocated), recurrent states,
+            graph pool (observed)
   device    torch.cuda max_memory_allocated / max_memory_reserved, the device's used memory
             (cudaMemGetInfo) and nvidia-smi's memory.used, each as growth over the moment before
             the engine started, after a small engine has started, served and gone (so the CUDA
@@ -116,6 +117,7 @@ def agreement(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
     try:
         plan = engine.plan
         held = {"weights": weights_bytes(engine.model), "kv": engine.pool.bytes_allocated,
+                "states": engine.pool.state_bytes_allocated,
                 "graphs": plan.graph_bytes_observed if T.cuda_graphs_active(engine) else None}
         after_start = device_snapshot(dev)
         prompt_n = min(cfg.max_num_batched_tokens, engine.max_context - args.gen_tokens)
@@ -144,10 +146,12 @@ def agreement(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
     }
     terms = {"weights": (plan.weights_bytes, held["weights"]), "kv": (plan.kv_bytes, held["kv"]),
              "graphs": (plan.graph_bytes, held["graphs"])}
+    if plan.state_bytes:  # recurrent layers' state slots (exact arithmetic, like KV)
+        terms["states"] = (plan.state_bytes, held["states"])
     failures = []
     for name, (planned, got) in terms.items():
         d = T.pct(got, planned)
-        # weights and KV are exact arithmetic; the graph pool is an allowance, judged inside the totals
+        # weights, KV and states are exact arithmetic; the graph pool is an allowance, judged inside the totals
         if name != "graphs" and d is not None and abs(d) > args.tolerance:
             failures.append(f"{name}: engine {got} B vs planned {planned} B ({d:+.2f}%)")
     for name, got in device.items():

@@ -445,8 +445,8 @@ def paged_decode_cuda(q: torch.Tensor, k_planes, v_planes, block_tables: torch.T
 # ----------------------------------------------------------------------------- torch reference
 def paged_decode_ref(q: torch.Tensor, k_planes, v_planes, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      fmt: KVFormat, scale: float) -> torch.Tensor:
-    """Oracle for :func:`paged_decode`: gathers each sequence's pages, decodes them with the format
-    registry's reference decode (natural basis) and attends in float64, on the inputs' device.
+    """Oracle for ``paged_decode_triton`` / ``paged_decode_cuda``: gathers each sequence's pages, decodes
+    them with the format's reference decode (natural basis) and attends in float64, on the inputs' device.
     Returns float32 [B, Hq, D] (zeros for an empty sequence)."""
     kd, ks = _planes(k_planes, fmt, "k")
     vd, vs = _planes(v_planes, fmt, "v")

@@ -340,7 +340,7 @@ def paged_prefill_triton(q: torch.Tensor, k_planes, v_planes, query_start_loc: t
 def paged_prefill_ref(q: torch.Tensor, k_planes, v_planes, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                       block_tables: torch.Tensor, max_query_len: int, fmt: KVFormat, scale: float,
                       *, kv_round: torch.dtype | None = None) -> torch.Tensor:
-    """Torch oracle for :func:`paged_prefill`: decode each sequence's pages with the format's
+    """Torch oracle for :func:`paged_prefill_triton`: decode each sequence's pages with the format's
     reference decoder and attend causally in float32 (host loop over sequences). ``kv_round``
     (e.g. fp16, the kernel's dot operand for scaled formats) rounds the decoded values, still in the
     stored (rotated) domain, like the kernel does, so a test can compare tightly."""

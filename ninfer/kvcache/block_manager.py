@@ -279,8 +279,9 @@ class BlockManager:
         if any(self._pages[pid].hash is None for pid in evict) or any(self._pages[pid].hash for pid in free):
             raise RuntimeError("free/evictable lists disagree with page hashes")
         slots = [self._slot_of.get(s.seq_id) for s in live] if self.num_state_slots else []
-        if slots and (None in slots or len(set(slots)) != len(slots)
-                      or set(slots) & set(self._free_slots) or len(slots) + len(self._free_slots) != self.num_state_slots
+        free_slots = set(self._free_slots)
+        if slots and (None in slots or len(set(slots)) != len(slots) or set(slots) & free_slots
+                      or len(slots) + len(free_slots) != self.num_state_slots
                       or any(getattr(s, "state_slot", None) != x for s, x in zip(live, slots))):
             raise RuntimeError(f"state slots disagree: live {slots}, free {sorted(self._free_slots)} "
                                f"of {self.num_state_slots}")

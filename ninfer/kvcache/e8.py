@@ -1,7 +1,7 @@
 """E8 lattice codec and 4-bit nibble layout: the bit-exact specification GPU kernels follow.
 
 Everything here works on *code units* z = x * RN(1/s) (x rotated, s the represented fp16 scale
-of the 64-group, see ``formats.py``; for rk4v4-e8 rounded to the grid ``GRID``), vectorised over
+of the 64-group, see ``formats/base.py``; for rk4v4-e8 rounded to the grid ``GRID``), vectorised over
 any leading shape; no Python loop touches tokens.
 
 Lattice and box (DESIGN 2.1 step 3)
@@ -34,7 +34,7 @@ The float32 decisions can differ from real arithmetic only when two candidates a
 to within float32 rounding; the tests bound the gap to the exact nearest point by 1e-5. Kernels
 may drop the lower clamp and the ``z + 8`` term of step 1 (so ``a = |r|``, ``m = [r < 0]``): they
 change nothing for z >= -8, and the 4-bit scale rounds up, so code units lie in [-8, 8]
-(``formats.py``).
+(``formats/base.py``).
 
 4-bit layout (docs/ARCHITECTURE.md "4-bit data layout")
 -------------------------------------------------------

@@ -60,18 +60,24 @@ def _kv_dtypes(args: argparse.Namespace) -> list[str]:
 
 def plan_table(model: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """One row per kv-dtype: the plan (as a dict) or the refusal with its numbers."""
-    from ninfer.kvcache.planner import (GiB, ContextDoesNotFit, kv_bytes_per_token, plan_memory,
+    from ninfer.engine.engine import declared_cache_spec
+    from ninfer.kvcache.formats import get_format
+    from ninfer.kvcache.planner import (GiB, ContextDoesNotFit, _torch_dtype, default_cache_spec, plan_memory,
                                         resolve_weights_dtype)
     mem = int(args.memory * GiB)
     wdtype = resolve_weights_dtype(args.weights_dtype, model)
     rows = []
     for name in _kv_dtypes(args):
-        row: dict[str, Any] = {"kv_dtype": name, "bytes_per_token": kv_bytes_per_token(model, name, wdtype)}
+        try:  # what the engine would allocate, layer by layer
+            spec = declared_cache_spec(model, get_format(name))
+        except ValueError:  # not servable here (yet): the config's arithmetic alone, as before
+            spec = default_cache_spec(model, name)
+        row: dict[str, Any] = {"kv_dtype": name, "bytes_per_token": spec.bytes_per_token(_torch_dtype(wdtype))}
         try:
             plan = plan_memory(model, kv_dtype=name, total_bytes=mem, free_bytes=mem, max_context=args.max_context,
                                kv_capacity=args.kv_capacity, max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=args.max_num_batched_tokens, weights_dtype=args.weights_dtype,
-                               device_type="cuda", enforce_eager=args.enforce_eager)
+                               device_type="cuda", enforce_eager=args.enforce_eager, cache_spec=spec)
             row.update(fits=True, largest_context=plan.largest_context, plan=plan.as_dict())
         except ContextDoesNotFit as e:
             row.update(fits=False, largest_context=e.largest_context, needed_bytes=e.needed_bytes,

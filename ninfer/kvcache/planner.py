@@ -365,8 +365,8 @@ def plan_memory(model: ModelConfig, *, kv_dtype: str, total_bytes: int, free_byt
         raise ContextDoesNotFit(
             f"{what} does not fit with kv_dtype={kv_dtype} ({bpt} B/token): it needs {needed} bytes "
             f"({format_bytes(needed)}: weights {format_bytes(w_bytes)} + KV {format_bytes(min_pages * page_bytes)} + "
-            + (f"states {format_bytes(states)} + " if states else "") + f"page tables {format_bytes(page_tables)} + workspace "
-            f"{format_bytes(workspace)} + graphs {format_bytes(graphs)} + headroom {format_bytes(headroom)}) "
+            + (f"states {format_bytes(states)} + " if states else "")
+            + f"page tables {format_bytes(page_tables)} + workspace {format_bytes(workspace)} + graphs {format_bytes(graphs)} + headroom {format_bytes(headroom)}) "
             f"but only {free_bytes} bytes ({format_bytes(free_bytes)}) are available; the largest context that "
             f"fits with {kv_dtype} is {largest} tokens"
             + (f" (weights, {'states, ' if states else ''}workspace, graphs and headroom alone need {fixed} bytes)"
