@@ -316,6 +316,7 @@ def test_cli_flags_and_vllm_aliases() -> None:
     a = p.parse_args([])
     assert (a.model, a.host, a.port, a.api_key or None, a.greedy, a.no_thinking) == (None, "127.0.0.1", 8080, None,
                                                                                      False, False)
+    assert a.max_tokens_default == cli.DEFAULT_MAX_TOKENS == 8192 and a.shutdown_timeout == 10.0
     assert cli.served_name(None, None) == "probe" and cli.served_name("/m/Qwen3-8B/", None) == "Qwen3-8B"
     a = p.parse_args(["/m/x", "--max-model-len", "32K", "--kv-cache-dtype", "int8", "--max-num-seqs", "3",
                       "--enforce-eager", "--no-enable-prefix-caching", "--max-pending-requests", "0",
@@ -323,6 +324,6 @@ def test_cli_flags_and_vllm_aliases() -> None:
     assert (a.max_context, a.kv_dtype, a.max_num_seqs, a.enforce_eager, a.enable_prefix_caching) == (
         32768, "int8", 3, True, False)
     assert (a.max_pending_requests, a.max_tokens_default, a.greedy, a.no_thinking, a.temperature) == (
-        0, 1000, True, True, 0.6)
+        0, 1024, True, True, 0.6)
     with pytest.raises(SystemExit):
         p.parse_args(["--max-pending-requests", "-1"])

@@ -27,7 +27,6 @@ import httpx
 import pytest
 import torch
 
-from ninfer.server.app import AppSettings
 from tests.test_server import CHAT, KEY, REPO, LiveServer, assert_envelope, make_server, post
 
 LONG_CONTEXT = 9216
@@ -290,6 +289,33 @@ def test_free_page_gauge_and_max_tokens_default(long_model_dir: Path, trap: LogT
         s.stop()
 
 
+def test_state_slot_gauges_on_a_hybrid_model(tmp_path_factory: pytest.TempPathFactory, trap: LogTrap) -> None:
+    from tests.tiny_models import make_hybrid_checkpoint
+
+    s = make_server(make_hybrid_checkpoint(tmp_path_factory.mktemp("hybrid")), engine_kw={"max_num_seqs": 4})
+
+    def gauge(name: str) -> float:
+        text = httpx.get(f"{s.url}/metrics").text
+        return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(f"ninfer:{name}{{")))
+
+    try:
+        s.wait_health()
+        assert gauge("state_slots_total") == gauge("state_slots_free") == 4
+        body = {"prompt": "hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            assert gauge("state_slots_free") == 3           # the running request holds one
+        s.wait_idle()
+        deadline = time.monotonic() + 10
+        while gauge("state_slots_free") != 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gauge("state_slots_free") == 4
+        assert not trap.tracebacks()
+    finally:
+        s.stop()
+
+
 # ------------------------------------------------------------------------------------ the process
 
 
@@ -304,15 +330,16 @@ def _serve_cmd(*args: str) -> list[str]:
 
 
 def test_sigterm_drains_live_streams(long_model_dir: Path) -> None:
-    """The real command: startup lines (default rk4v4-e8 KV), the API key, then SIGTERM with four
-    live streams: no new connection, three streams cut at the grace period with a final "abort"
-    event and [DONE], one that ends inside it finishes normally, exit 0, no traceback."""
+    """The real command: startup lines (default rk4v4-e8 KV), the API key, --max-tokens-default
+    capping a request without max_tokens, then SIGTERM with four live streams: no new connection,
+    three streams cut at the grace period with a final "abort" event and [DONE], one that ends
+    inside it finishes normally, exit 0, no traceback."""
     import openai
 
     port = _free_port()
     proc = subprocess.Popen(_serve_cmd(str(long_model_dir), "--port", str(port), "--device", "cpu",
                                        "--max-model-len", "4096", "--kv-capacity", "16384", "--api-key", KEY,
-                                       "--shutdown-timeout", "2", "--disable-access-log"),
+                                       "--shutdown-timeout", "2", "--max-tokens-default", "3", "--disable-access-log"),
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     out: list[str] = []
@@ -329,7 +356,8 @@ def test_sigterm_drains_live_streams(long_model_dir: Path) -> None:
         assert ok, "".join(out)
         c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
         assert c.models.list().data[0].id == long_model_dir.name
-        assert c.completions.create(model=long_model_dir.name, prompt="hello", max_tokens=2).usage.completion_tokens >= 1
+        r = c.completions.create(model=long_model_dir.name, prompt="hello", extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"   # --max-tokens-default
         lines: dict[int, list[str]] = {}
 
         def stream(i: int, max_tokens: int) -> None:

@@ -28,7 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 WORDS = ("the of and to in is it you that he was for on are with as his they be at one have this from or had "

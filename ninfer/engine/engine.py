@@ -7,6 +7,7 @@ pool allocated from the plan, its plane geometry asserted against the format ent
 CLI and the server. The engine is driven from one thread: add_request / abort_request / step."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -54,6 +55,8 @@ class EngineStats:
     generation_tokens_total: int
     num_preemptions: int
     num_steps: int
+    num_total_state_slots: int | None = None   # recurrent-state slots (models with linear-attention layers)
+    num_free_state_slots: int | None = None
 
 
 def default_model_dir() -> Path:
@@ -140,8 +143,9 @@ class LLMEngine:
             # A CPU run holds a few requests, not a GPU's worth: size the pool for what is asked.
             pages = -(-self.max_context // PAGE_SIZE) * min(config.max_num_seqs, CPU_AUTO_SEQS)
             if pages < self.plan.num_pages:
-                self.plan = plan_for_engine(mc, plan_cfg.replace(kv_capacity=pages * PAGE_SIZE), mem, "cpu",
-                                            max_context=self.max_context, cache_spec=self.cache_spec)
+                self.plan = dataclasses.replace(
+                    plan_for_engine(mc, plan_cfg.replace(kv_capacity=pages * PAGE_SIZE), mem, "cpu",
+                                    max_context=self.max_context, cache_spec=self.cache_spec), capacity_mode="auto")
 
         rope = {"rope_yarn_factor": config.rope_yarn_factor,
                 "rope_original_max_position": config.rope_original_max_position}
@@ -349,7 +353,9 @@ class LLMEngine:
             num_total_pages=bm.num_pages, num_free_pages=bm.num_free_pages,
             prefix_cache_queries=self.scheduler.prefix_queries, prefix_cache_hits=self.scheduler.prefix_hits,
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
-            num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps)
+            num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
+            **({"num_total_state_slots": bm.num_state_slots, "num_free_state_slots": bm.num_free_slots}
+               if bm.num_state_slots else {}))
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from ninfer.server.async_engine import (AsyncEngine, EngineDeadError, EngineNotReadyError,
                                         QueueFullError, RequestStream, StepOutput)
 from ninfer.server.metrics import RequestLog, ServerMetrics
-from ninfer.server.protocol import ChatMessage, ErrorInfo, ErrorResponse, PromptTokensDetails, SamplingFields, Usage
+from ninfer.server.protocol import ChatMessage, ErrorInfo, ErrorResponse, SamplingFields
 
 log = logging.getLogger("ninfer.server")
 
@@ -81,11 +81,6 @@ class Tracker:
     status: int = 200
     error: str | None = None                  # the error type when status >= 400
     done: bool = False                        # metrics and the log event are recorded
-
-    def usage(self) -> Usage:
-        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                     total_tokens=self.prompt_tokens + self.completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens))
 
 
 class OpenAIServing:
