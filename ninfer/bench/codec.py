@@ -10,8 +10,8 @@ against the unquantized input, in the original (un-rotated) domain. Data sets:
   (c) model-k / model-v  K (after RoPE and k-norm) and V of a real HF checkpoint (``--model``),
              read from transformers' own cache after one forward pass over a probe-style long
              document (--samples / 2 tokens); also reported per layer and KV head.
-Besides the servable formats (rk4v4-e8 with its shipped encoder, the scale refit), rk4v4-e8's first
-encoder (``rk4v4-e8:baseline``: absmax / 8 and the nearest points) and reference codecs that are NOT formats: the seed lineage's collapsed
+Besides the servable formats, a candidate rk4v4-e8 encoder (``rk4v4-e8:refit``: least-squares scale
+refit and one re-projection, same bytes) and reference codecs that are NOT formats: the seed lineage's collapsed
 E8 (E8 point of x/(absmax/7) rounded back to integers, no coset bit), a TurboQuant-like Lloyd-Max
 16-level quantizer with one fp16 norm per 128 rotated values, two rk4v4-e8 variants
 (plain H64 without the format's sign pattern; per-group choice of C with the same decoder) and the Gaussian
@@ -98,7 +98,7 @@ def model_kv(model_dir: str, tokens: int, seed: int, text: bool = False) -> dict
             "model-v": [layer.values[0].float() for layer in cache.layers]}
 
 
-def per_head_snr(kv: dict[str, list[torch.Tensor]], formats=("int8", "rk4v4", "rk4v4-e8:baseline", "rk4v4-e8")
+def per_head_snr(kv: dict[str, list[torch.Tensor]], formats=("int8", "rk4v4", "rk4v4-e8", "rk4v4-e8:refit")
                  ) -> dict[str, dict]:
     """SNR per (K/V, layer, KV head) for the servable formats: {"model-k": {"L0H0": {fmt: dB}}}."""
     out: dict[str, dict] = {}
@@ -191,9 +191,9 @@ def codecs(d: int) -> list[tuple[str, float, Codec]]:
     for name in FORMAT_NAMES:
         out.append((name, 8.0 * get_format(name).bytes_per_token_head(d, torch.float32) / (2 * d), _format_codec(name)))
     side = 16.0 / GROUP
-    from ninfer.bench.kv_sim import e8_baseline
+    from ninfer.bench.kv_sim import e8_refit
     out += [
-        ("rk4v4-e8:baseline", 4 + side, e8_baseline),  # the first encoder (no refit), same format
+        ("rk4v4-e8:refit", 4 + side, e8_refit),  # the candidate encoder (scale refit), same format
         ("ref:seed-collapsed-e8", 4 + side, seed_collapsed_e8),
         ("ref:turboquant-lm16", 4 + 16.0 / 128, turboquant_like),
         ("ref:e8-plain-h64", 4 + side, e8_plain_h64),

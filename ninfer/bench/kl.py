@@ -9,10 +9,10 @@ answer tokens, and greedy top-1 agreement. The same runner backs tests/test_engi
     ninfer bench kl [MODEL] [--kv-dtype int8,rk4v4,rk4v4-e8] [--reference bf16] [--contexts 4K]
 
 ``--text`` scores every position of the shipped English passages instead (``kv_sim.py``: K/V
-quantized inside transformers, per kv-dtype, K only / V only, per layer; ``rk4v4-e8:baseline``
-is rk4v4-e8's first encoder, so old and new encoders compare in one run):
+quantized inside transformers, per kv-dtype, K only / V only, per layer; ``rk4v4-e8:refit``
+is the candidate scale-refit encoder beside the shipped one, so both compare in one run):
 
-    ninfer bench kl MODEL --text --kv-dtype int8,rk4v4-e8:baseline,rk4v4-e8 --planes kv,k,v [--per-layer]
+    ninfer bench kl MODEL --text --kv-dtype int8,rk4v4-e8:refit,rk4v4-e8 --planes kv,k,v [--per-layer]
 """
 from __future__ import annotations
 
