@@ -101,9 +101,9 @@ def test_state_follows_chunks_decode_preemption_and_abort(seed: int) -> None:
         idx, logits = runner.execute(batch)
         sched.after_step(batch)
         _check_states(pool, batch.requests)
-        for i in idx:
+        for j, i in enumerate(idx):           # logits row j is batch entry idx[j]
             r = batch.requests[i]
-            r.append_token(int(logits[i].argmax()), None)
+            r.append_token(int(logits[j].argmax()), None)
             if r.num_output_tokens >= r.max_tokens:
                 r.finish("length")
                 sched.finish(r)
