@@ -52,10 +52,11 @@ def test_kernels_on_cpu_need_the_interpreter(monkeypatch):
 def test_kernel_paths_say_what_serves_each_op_and_why(interpret):
     be = select_backend(_pool(), "cpu", torch.bfloat16, 4, kind="kernels")
     assert be.name == "kernels"
-    assert be.kernel_paths() == "store=triton (not on CUDA) decode=triton (not on CUDA) prefill=triton"
+    assert be.kernel_paths() == "store=triton (not on CUDA) decode=triton (not on CUDA) prefill=sdpa"
     bf = select_backend(_pool("bf16", 96), "cpu", torch.bfloat16, 4, kind="kernels")
-    assert bf.kernel_paths() == ("store=triton (format bf16 has no CUDA store) decode=triton (format bf16 has no "
-                                 "CUDA path) prefill=triton")
+    assert bf.kernel_paths() == ("store=triton (format bf16 has no cuda store kernel) decode=triton (format bf16 "
+                                 "has no cuda decode kernel) prefill=triton (head_dim 96: the SDPA prefill needs "
+                                 "a power of 2 in 64..256)")
     # a rotated format's prefill kernel needs a power-of-2 head dim: refused at startup, not mid-serving
     with pytest.raises(UnsupportedAttention, match=r"no prefill implementation .* head_dim 192 \(rotated formats"):
         select_backend(_pool("rk4v4", 192), "cpu", torch.bfloat16, 4, kind="kernels")
@@ -81,11 +82,16 @@ def test_a_registered_implementation_is_preferred_and_a_broken_one_skipped(inter
             return q
         return prefill
 
-    register_op(OpImpl("prefill", "sdpa", lambda ctx: None if ctx.fmt.has_scales else "needs a scaled format", bind))
+    from ninfer.kvcache.formats import KERNEL_E8, KERNEL_INT8
+
+    register_op(OpImpl("prefill", "sdpa", lambda ctx: None if ctx.head_dim <= 128 else "head_dim > 128", bind,
+                       formats=frozenset({KERNEL_E8, KERNEL_INT8})))  # declares the formats it has kernels for
     be = select_backend(_pool(), "cpu", torch.bfloat16, 4, kind="kernels")
     assert be.kernel_paths().endswith("prefill=sdpa") and [i.name for i in impls["prefill"]] == ["sdpa", "triton"]
     assert select_backend(_pool("bf16"), "cpu", torch.bfloat16, 4, kind="kernels").kernel_paths().endswith(
-        "prefill=triton (needs a scaled format)")
+        "prefill=triton (format bf16 has no sdpa prefill kernel)")
+    assert select_backend(_pool("int8", 256), "cpu", torch.bfloat16, 4, kind="kernels").kernel_paths().endswith(
+        "prefill=triton (head_dim > 128)")
 
     def broken(ctx):
         raise RuntimeError("nvcc exploded")
@@ -120,7 +126,7 @@ def test_plan_computes_decode_splits_once_per_shape(interpret, impls):
             return q
         return decode
 
-    register_op(OpImpl("decode", "probe", lambda ctx: None, bind, splits))
+    register_op(OpImpl("decode", "probe", lambda ctx: None, bind, num_splits=splits))
     pool = KVCachePool("bf16", 2, 2, 64, 2)
     be = select_backend(pool, "cpu", torch.bfloat16, 2, force={"store": "triton", "decode": "probe"})
     be._store = lambda *a: None  # nothing to store: only the plan is under test

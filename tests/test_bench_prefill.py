@@ -7,10 +7,13 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from ninfer import cli
 from ninfer.bench import prefill as bp
 
 
+@pytest.mark.slow  # two engines (ninfer, transformers) on CPU: ~40 s
 def test_bench_prefill_with_transformers_peer(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "prefill.json"
     rc = cli.main(["bench", "prefill", str(tiny_model_dir), "--device", "cpu", "--max-num-batched-tokens", "128",

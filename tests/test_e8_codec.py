@@ -203,3 +203,72 @@ def test_layout_helpers_inverse() -> None:
     assert torch.equal(e8.from_blocks(b), x)
     with pytest.raises(ValueError):
         e8.to_blocks(torch.zeros(3, 96))
+
+
+# ---------------------------------------------------------------- the scale refit (rk4v4-e8's encoder)
+def _pipeline(seed: int, n: int = 2048):
+    from ninfer.kvcache.formats import code_units, group_scales
+    from ninfer.kvcache.hadamard import rotate
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 128, generator=g) * torch.exp(torch.randn(n, 1, generator=g))
+    x[: n // 8, 5] *= 30  # an outlier channel
+    x[n // 8: n // 8 + 3] = 0.0  # all-zero groups
+    xr = rotate(x)
+    s16, s = group_scales(xr, 8.0, round_up=True)
+    return xr, s16, s[..., 0], code_units(xr, s, e8.GRID)
+
+
+def _sq_err(xr: torch.Tensor, data: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    p = e8.decode_e8(data, torch.float64)
+    y = p.reshape(*p.shape[:-1], -1, 64) * s.double()[..., None]
+    return ((xr.double().reshape(y.shape) - y) ** 2).sum(-1)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_refit_never_worse_and_least_squares(seed: int) -> None:
+    """Against float64 brute force: the refit's decoded error is never above the first encoder's
+    (beyond the 2^-9 code-unit grid), lower on average; a kept point set carries the fp16 scale
+    nearest to its least-squares optimum <x, p> / <p, p> (computed here in float64 from x itself)."""
+    xr, s16, s0, z0 = _pipeline(seed)
+    data, s = e8.encode_e8_refit(z0, s0)
+    xt = (z0.double().reshape(*z0.shape[:-1], -1, 64) * s0.double()[..., None]).reshape(z0.shape)
+    for x, tol in ((xt, 1e-6), (xr, 2e-3)):  # x~ = s0 z0, what the encoder fits; x itself
+        base = _sq_err(x, e8.encode_e8(z0), s0)
+        new = _sq_err(x, data, s.float())
+        assert bool((new <= base * (1 + tol) + 1e-30).all())
+        assert float(new.sum()) < 0.985 * float(base.sum())
+    p = e8.decode_e8(data, torch.float64).reshape(*xr.shape[:-1], -1, 64)
+    live = s0 > 0
+    # x~ = s0 z0 (what the encoder fits: x on the 2^-9 code-unit grid) and x itself
+    for xg, want in ((z0.double().reshape(p.shape) * s0.double()[..., None], 0.999), (xr.double().reshape(p.shape), 0.9)):
+        opt = (xg * p).sum(-1) / (p * p).sum(-1).clamp_min(1e-300)
+        lo = hi = opt.float().half().double()  # the two fp16 neighbours of the optimum
+        lo = torch.where(lo > opt, torch.nextafter(lo.half(), torch.tensor(0.0).half()).double(), lo)
+        hi = torch.where(hi < opt, torch.nextafter(hi.half(), torch.tensor(1e4).half()).double(), hi)
+        nearest = torch.where((opt - lo) <= (hi - opt), lo, hi)
+        close = (s.double() == nearest) | (((opt - lo) - (hi - opt)).abs() < 1e-3 * (hi - lo))
+        assert float(close[live].float().mean()) > want
+    assert bool((s[~live] == 0).all()) and bool((e8.decode_e8(data)[xr.abs().sum(-1) == 0] == 0).all())
+
+
+def test_refit_moves_scales_and_points_and_checks_shapes() -> None:
+    xr, s16, s0, z0 = _pipeline(5)
+    data, s = e8.encode_e8_refit(z0, s0)
+    assert float((s != s16).float().mean()) > 0.5
+    assert bool((data != e8.encode_e8(z0)).any())
+    with pytest.raises(ValueError, match="do not match"):
+        e8.encode_e8_refit(z0, s0[:, :1])
+
+
+def test_refit_subnormal_and_edge_scales() -> None:
+    """fp16-subnormal first scales (2^-24 .. 2^-15) and box-edge code units: the refit stays a valid
+    fp16 >= 0, decodes finite, and never loses to the first encoder."""
+    g = torch.Generator().manual_seed(9)
+    z = torch.randint(-32, 33, (512, 64), generator=g).float() / 4
+    z[:64] = torch.tensor([8.0, -8.0, 7.5, -7.5] * 16)
+    s0 = torch.exp2(torch.randint(-24, -14, (512, 1), generator=g).float()).half().float()
+    data, s = e8.encode_e8_refit(z, s0)
+    assert bool(torch.isfinite(s.float()).all()) and bool((s.float() >= 0).all())
+    xr = z * s0
+    assert bool((_sq_err(xr, data, s.float()) <= _sq_err(xr, e8.encode_e8(z), s0) * (1 + 1e-6) + 1e-30).all())

@@ -51,7 +51,8 @@ def test_fla_kernels_match_torch_reference_at_seed_geometry(seed: int) -> None:
     q_lens = [1500, 700, 33, 1]
     gen = torch.Generator(device="cuda").manual_seed(seed)
     shapes = layer.state_shapes()
-    st = {impl: {n: torch.zeros(len(q_lens), *s, device="cuda") for n, s in shapes.items()} for impl in ("fla", "torch")}
+    st = {impl: {n: torch.zeros(len(q_lens), *s, device="cuda") for n, s in shapes.items()}
+          for impl in ("fla", "torch")}
     for step, (lens, init) in enumerate([(q_lens, False), (q_lens, True)] + [([1] * 4, True)] * 4):
         x = torch.randn(sum(lens), SEED_GDN["hidden"], generator=gen, device="cuda").to(torch.bfloat16)
         outs = {impl: _run(layer, impl, x, lens, st[impl], init).float() for impl in ("fla", "torch")}

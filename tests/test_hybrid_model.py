@@ -50,8 +50,8 @@ def _backend(model: Any, kv_dtype: str = "auto", slots: int = 4) -> ReferenceAtt
 
 
 @torch.no_grad()
-def _step(model: Any, backend: ReferenceAttentionBackend, chunks: list[torch.Tensor], starts: list[int], slots: list[int],
-          first_pages: list[int]) -> list[torch.Tensor]:
+def _step(model: Any, backend: ReferenceAttentionBackend, chunks: list[torch.Tensor], starts: list[int],
+          slots: list[int], first_pages: list[int]) -> list[torch.Tensor]:
     q_lens = [len(c) for c in chunks]
     meta = build_metadata(q_lens, [s + n for s, n in zip(starts, q_lens)], PAGE, first_pages)
     meta.state_slots = torch.tensor(slots, dtype=torch.int32)

@@ -354,7 +354,7 @@ def test_kernel_backend_reports_its_kernel_paths(monkeypatch):
     none = "no nvcc, and NVRTC: libnvrtc not found"
     for why, fmt, d, want in (
             (None, "rk4v4-e8", 128, "store=cuda decode=cuda prefill=sdpa"),
-            (None, "int8", 128, "store=triton (format int8 has no CUDA store) decode=cuda prefill=sdpa"),
+            (None, "int8", 128, "store=triton (format int8 has no cuda store kernel) decode=cuda prefill=sdpa"),
             (None, "rk4v4", 64, "store=cuda decode=triton (head_dim 64: CUDA path needs 128 or 256) prefill=sdpa"),
             (none, "rk4v4-e8", 128, f"store=triton ({none}) decode=triton ({none}) prefill=sdpa")):
         monkeypatch.setattr(pdc, "_compiler", lambda why=why: why)

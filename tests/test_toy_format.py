@@ -72,8 +72,8 @@ def test_kernel_backend_refuses_a_format_without_kernels(tiny_model_dir: Path) -
 
     pool = KVCachePool(toy.TOY_FP8, 1, 2, 64, 4)
     with pytest.raises(UnsupportedAttention, match=r"no store implementation serves kv_dtype=toy-fp8 .*"
-                                                   r"cuda: format toy-fp8 has no CUDA store; triton: format "
-                                                   r"toy-fp8 has no Triton kernels"):
+                                                   r"cuda: format toy-fp8 has no cuda store kernel; triton: format "
+                                                   r"toy-fp8 has no triton store kernel"):
         select_backend(pool, "cpu", torch.bfloat16, 4, kind="kernels")
     assert select_backend(pool, "cpu", torch.bfloat16, 4).name == "reference"
 

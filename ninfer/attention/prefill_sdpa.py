@@ -14,8 +14,8 @@ Per sequence of the step (its chunk of Tq new tokens already stored, ``ctx`` tok
 
 SDPA backends (all return the log-sum-exp): CUDA tries cuDNN first and falls back to flash on
 any refusal (remembered per shape class); CPU uses aten's CPU flash kernel. The dequantize step is
-a Triton kernel (CPU tests run it under ``TRITON_INTERPRET=1``); ``dequant=`` swaps in the torch
-reference for fast logic tests.
+a Triton kernel, like the Q fold and the merge (``ninfer/kernels/sdpa_io.py``); CPU tests run them
+under ``TRITON_INTERPRET=1``, and ``torch_ops=True`` swaps in their torch oracles for fast logic tests.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from ninfer.kvcache.formats import KVFormat, get_format
 # merged (two runs) (H200, 2026-12-01; docs/results/prefill_sdpa_kernels_20261201_h200*.json, "breakdown").
 KV_CHUNK = 131072
 MIN_CHUNK = 128  # steps whose longest chunk is shorter stay on the Triton prefill kernel
-# Backends refused at run time, per (device type, head_dim, dtype): never retried.
+# SDPA backends that refused a shape class (backend, head_dim, dtype) at run time: not tried again.
 _REFUSED: set[tuple] = set()
 SDPA_ORDER: tuple[str, ...] = ("cudnn", "flash")  # CUDA preference; the bench reorders it to time each
 
@@ -67,7 +67,9 @@ def sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sc
             else:
                 r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
             return r[0], r[1].reshape(b, h, lq).float()
-        except RuntimeError:
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError:  # e.g. no cuDNN SDPA engine for this head_dim / build
             _REFUSED.add(key)
     raise RuntimeError(f"no SDPA backend with log-sum-exp runs head_dim {q.shape[-1]} {q.dtype} "
                        f"(tried {', '.join(order or SDPA_ORDER)})")
@@ -147,13 +149,6 @@ def prefill_sdpa(q: torch.Tensor, planes: dict, fmt: KVFormat | str, query_lens:
     return out
 
 
-def prefill_flops(query_lens: list[int], seq_lens: list[int], num_heads: int, head_dim: int) -> float:
-    """Attention FLOPs of a step (QK^T and PV, causal in the chunk): 4 Hq D Tq (ctx + Tq / 2) each."""
-    return float(sum(4.0 * num_heads * head_dim * tq * ((sl - tq) + tq / 2)
-                     for tq, sl in zip(query_lens, seq_lens)))
-
-
-
 def sdpa_prefill_unsupported(ctx) -> str | None:
     """Why this path cannot serve an attention op context (ninfer.attention.selector.OpContext), or None."""
     if ctx.fmt.kernel_code is None:
@@ -164,7 +159,7 @@ def sdpa_prefill_unsupported(ctx) -> str | None:
         return f"SDPA flash / cuDNN need bf16 or fp16, the model runs {ctx.dtype}"
     d = ctx.head_dim
     if d < 64 or d & (d - 1) or d > 256:
-        return f"head_dim {d} (a power of 2 in 64..256)"
+        return f"head_dim {d}: the SDPA prefill needs a power of 2 in 64..256"
     return None
 
 
@@ -184,5 +179,5 @@ def bind_sdpa_prefill(ctx, short_chunks=None):
     return prefill
 
 
-__all__ = ["prefill_sdpa", "sdpa_lse", "workspace_bytes", "prefill_flops", "sdpa_prefill_unsupported",
+__all__ = ["prefill_sdpa", "sdpa_lse", "workspace_bytes", "sdpa_prefill_unsupported",
            "bind_sdpa_prefill", "KV_CHUNK"]

@@ -5,7 +5,8 @@ Ops and their callables (what a bound implementation is called with):
   decode   fn(q [B, Hq, D], planes, block_tables, seq_lens, scale, num_splits) -> out [B, Hq, D]
   prefill  fn(q [T, Hq, D], planes, meta, scale) -> out [T, Hq, D]      (planes already hold the chunk)
 ``planes`` is the pool's per-layer dict. ``OP_IMPLS[op]`` lists the implementations in order of
-preference; the first whose ``unsupported(ctx)`` is None and whose ``bind(ctx)`` succeeds (it may
+preference, each declaring the formats it has kernels for (``formats``: kernel codes); the first
+that declares the format, whose ``unsupported(ctx)`` is None and whose ``bind(ctx)`` succeeds (it may
 build and load kernels, so a broken compiler is found here, not mid-serving) serves the op. Adding
 an implementation (a new prefill, say) = one ``OpImpl`` passed to ``register_op``.
 
@@ -25,9 +26,10 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ninfer.kvcache.formats import KVFormat
+from ninfer.kvcache.formats import KERNEL_E8, KERNEL_INT8, KERNEL_PLAIN, KERNEL_RK4, KVFormat
 
 OPS = ("store", "decode", "prefill")
+_ALL = frozenset({KERNEL_PLAIN, KERNEL_INT8, KERNEL_RK4, KERNEL_E8})  # the built-in formats' kernel codes
 
 
 class UnsupportedAttention(ValueError):
@@ -51,7 +53,14 @@ class OpImpl:
     name: str                                                  # "cuda", "triton", ...
     unsupported: Callable[[OpContext], str | None]             # None = can serve ctx
     bind: Callable[[OpContext], Callable]                      # the op callable for ctx
+    formats: frozenset[int] | None = None                      # kernel codes it has kernels for (None: any)
     num_splits: Callable[[OpContext, int, int], int] | None = None  # decode: (batch, table width) -> splits
+
+    def refuses(self, ctx: OpContext) -> str | None:
+        """Why this implementation cannot serve ctx (its declared formats first, then the geometry)."""
+        if self.formats is not None and ctx.fmt.kernel_code not in self.formats:
+            return f"format {ctx.fmt.name} has no {self.name} {self.op} kernel"
+        return self.unsupported(ctx)
 
 
 @dataclass(frozen=True)
@@ -70,8 +79,6 @@ def _interpreting() -> bool:
 
 
 def _triton_unsupported(ctx: OpContext) -> str | None:
-    if ctx.fmt.kernel_code is None:
-        return f"format {ctx.fmt.name} has no Triton kernels"
     if ctx.device.type != "cuda" and not (ctx.device.type == "cpu" and _interpreting()):
         return f"Triton needs CUDA (or TRITON_INTERPRET=1 on CPU), device is {ctx.device}"
     if ctx.page_size < 16 or ctx.page_size & (ctx.page_size - 1):
@@ -163,12 +170,14 @@ def _prefill_sdpa(ctx: OpContext) -> Callable:
 
 
 OP_IMPLS: dict[str, list[OpImpl]] = {
-    "store": [OpImpl("store", "cuda", _store_cuda_unsupported, _store_cuda),
-              OpImpl("store", "triton", _triton_unsupported, _store_triton)],
-    "decode": [OpImpl("decode", "cuda", _decode_cuda_unsupported, _decode_cuda, _decode_cuda_splits),
-               OpImpl("decode", "triton", _triton_unsupported, _decode_triton, _decode_triton_splits)],
-    "prefill": [OpImpl("prefill", "sdpa", _prefill_sdpa_unsupported, _prefill_sdpa),
-                OpImpl("prefill", "triton", _triton_prefill_unsupported, _prefill_triton)],
+    "store": [OpImpl("store", "cuda", _store_cuda_unsupported, _store_cuda,
+                     frozenset({KERNEL_RK4, KERNEL_E8})),
+              OpImpl("store", "triton", _triton_unsupported, _store_triton, _ALL)],
+    "decode": [OpImpl("decode", "cuda", _decode_cuda_unsupported, _decode_cuda,
+                      frozenset({KERNEL_INT8, KERNEL_RK4, KERNEL_E8}), _decode_cuda_splits),
+               OpImpl("decode", "triton", _triton_unsupported, _decode_triton, _ALL, _decode_triton_splits)],
+    "prefill": [OpImpl("prefill", "sdpa", _prefill_sdpa_unsupported, _prefill_sdpa, _ALL),
+                OpImpl("prefill", "triton", _triton_prefill_unsupported, _prefill_triton, _ALL)],
 }
 
 
@@ -199,7 +208,7 @@ def select_ops(ctx: OpContext, force: Mapping[str, str] | None = None) -> dict[s
                                  f"have {', '.join(i.name for i in OP_IMPLS[op])}")
         skipped: list[tuple[str, str]] = []  # (implementation, why it does not serve ctx)
         for impl in impls:
-            why = impl.unsupported(ctx)
+            why = impl.refuses(ctx)
             if why is None:
                 try:
                     fn = impl.bind(ctx)

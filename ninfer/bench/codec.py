@@ -10,7 +10,8 @@ against the unquantized input, in the original (un-rotated) domain. Data sets:
   (c) model-k / model-v  K (after RoPE and k-norm) and V of a real HF checkpoint (``--model``),
              read from transformers' own cache after one forward pass over a probe-style long
              document (--samples / 2 tokens); also reported per layer and KV head.
-Besides the servable formats, reference codecs that are NOT formats: the seed lineage's collapsed
+Besides the servable formats (rk4v4-e8 with its shipped encoder, the scale refit), rk4v4-e8's first
+encoder (``rk4v4-e8:baseline``: absmax / 8 and the nearest points) and reference codecs that are NOT formats: the seed lineage's collapsed
 E8 (E8 point of x/(absmax/7) rounded back to integers, no coset bit), a TurboQuant-like Lloyd-Max
 16-level quantizer with one fp16 norm per 128 rotated values, two rk4v4-e8 variants
 (plain H64 without the format's sign pattern; per-group choice of C with the same decoder) and the Gaussian
@@ -40,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=8192, help="vectors of 256 values per synthetic data set")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep-c", action="store_true", help="also sweep the scale constant C on N(0,1)")
+    p.add_argument("--text", action="store_true",
+                   help="with --model: K/V of the shipped English passages (bench/data) instead of a probe document")
 
 
 # ----------------------------------------------------------------------------- data
@@ -64,7 +67,7 @@ def runs_data(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, 256, generator=g) + off
 
 
-def model_kv(model_dir: str, tokens: int, seed: int) -> dict[str, list[torch.Tensor]]:
+def model_kv(model_dir: str, tokens: int, seed: int, text: bool = False) -> dict[str, list[torch.Tensor]]:
     """K (post-RoPE, post k-norm) and V as cached by transformers after one forward pass over a
     probe-style long document (needles in filler, ninfer.tools.probe.data): per layer [kv_heads, N, head_dim]."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -78,8 +81,12 @@ def model_kv(model_dir: str, tokens: int, seed: int) -> dict[str, list[torch.Ten
     ids = None
     try:
         tok = AutoTokenizer.from_pretrained(model_dir)
-        hay = data.bench_haystack(limit, seed, encoder(tok))
-        ids = tok(data.chat_prompt(hay.text, hay.needles[0].key), return_tensors="pt").input_ids[:, :limit]
+        if text:  # the passages one after another
+            from ninfer.bench.kv_sim import documents
+            ids = tok("\n\n".join(documents().values()), return_tensors="pt").input_ids[:, :limit]
+        else:
+            hay = data.bench_haystack(limit, seed, encoder(tok))
+            ids = tok(data.chat_prompt(hay.text, hay.needles[0].key), return_tensors="pt").input_ids[:, :limit]
     except Exception:  # a checkpoint without a usable tokenizer
         ids = None
     if ids is None or ids.shape[-1] < 16:  # fixed random ids still give the model's real K/V
@@ -91,18 +98,24 @@ def model_kv(model_dir: str, tokens: int, seed: int) -> dict[str, list[torch.Ten
             "model-v": [layer.values[0].float() for layer in cache.layers]}
 
 
-def per_head_snr(kv: dict[str, list[torch.Tensor]], formats=("int8", "rk4v4", "rk4v4-e8")) -> dict[str, dict]:
+def per_head_snr(kv: dict[str, list[torch.Tensor]], formats=("int8", "rk4v4", "rk4v4-e8:baseline", "rk4v4-e8")
+                 ) -> dict[str, dict]:
     """SNR per (K/V, layer, KV head) for the servable formats: {"model-k": {"L0H0": {fmt: dB}}}."""
     out: dict[str, dict] = {}
     for name, layers in kv.items():
         for li, t in enumerate(layers):
             for h in range(t.shape[0]):
                 x = t[h]
-                out.setdefault(name, {})[f"L{li}H{h}"] = {f: snr_db(x, _format_codec(f)(x)) for f in formats}
+                out.setdefault(name, {})[f"L{li}H{h}"] = {f: snr_db(x, _codec(f)(x)) for f in formats}
     return out
 
 
 # ----------------------------------------------------------------------------- codecs
+def _codec(name: str) -> Codec:
+    from ninfer.bench.kv_sim import format_codec
+    return format_codec(name)
+
+
 def _format_codec(name: str) -> Codec:
     f = get_format(name)
     return lambda x: f.decode(*f.encode(x)).float()
@@ -178,7 +191,9 @@ def codecs(d: int) -> list[tuple[str, float, Codec]]:
     for name in FORMAT_NAMES:
         out.append((name, 8.0 * get_format(name).bytes_per_token_head(d, torch.float32) / (2 * d), _format_codec(name)))
     side = 16.0 / GROUP
+    from ninfer.bench.kv_sim import e8_baseline
     out += [
+        ("rk4v4-e8:baseline", 4 + side, e8_baseline),  # the first encoder (no refit), same format
         ("ref:seed-collapsed-e8", 4 + side, seed_collapsed_e8),
         ("ref:turboquant-lm16", 4 + 16.0 / 128, turboquant_like),
         ("ref:e8-plain-h64", 4 + side, e8_plain_h64),
@@ -228,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
     datasets = {"gauss": gauss_data(n, args.seed), "heavy": heavy_data(n, args.seed), "runs": runs_data(n, args.seed)}
     heads = None
     if args.model:
-        kv = model_kv(args.model, tokens=max(16, n // 2), seed=args.seed)
+        kv = model_kv(args.model, tokens=max(16, n // 2), seed=args.seed, text=args.text)
         datasets.update({k: torch.cat([t.reshape(-1, t.shape[-1]) for t in ts]) for k, ts in kv.items()})
         heads = per_head_snr(kv)
     res = measure(datasets)

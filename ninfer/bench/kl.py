@@ -7,6 +7,12 @@ same history. Reported per kv-dtype and context: mean and max KL(ref || fmt) in 
 answer tokens, and greedy top-1 agreement. The same runner backs tests/test_engine_kl.py.
 
     ninfer bench kl [MODEL] [--kv-dtype int8,rk4v4,rk4v4-e8] [--reference bf16] [--contexts 4K]
+
+``--text`` scores every position of the shipped English passages instead (``kv_sim.py``: K/V
+quantized inside transformers, per kv-dtype, K only / V only, per layer; ``rk4v4-e8:baseline``
+is rk4v4-e8's first encoder, so old and new encoders compare in one run):
+
+    ninfer bench kl MODEL --text --kv-dtype int8,rk4v4-e8:baseline,rk4v4-e8 --planes kv,k,v [--per-layer]
 """
 from __future__ import annotations
 
@@ -72,6 +78,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH")
+    p.add_argument("--text", action="store_true", help="KL at every position of the shipped passages")
+    p.add_argument("--planes", default="kv", help="with --text: quantized planes, comma-separated kv, k, v")
+    p.add_argument("--tokens", type=int, default=384, help="with --text: tokens per passage (default %(default)s)")
+    p.add_argument("--per-layer", action="store_true", help="with --text: also one layer quantized at a time")
+
+
+def _run_text(args: argparse.Namespace, model: str) -> int:
+    from ninfer.bench import kv_sim
+    args.model = model
+    try:
+        res = kv_sim.run_text(args)
+    except ValueError as e:
+        raise SystemExit(f"ninfer bench kl: {e}")
+    res["command"] = "ninfer bench kl " + " ".join(sys.argv[3:])
+    print(kv_sim.text_table(res))
+    if args.json:
+        text = json.dumps(res, indent=1)
+        print(text) if args.json == "-" else open(args.json, "w").write(text)
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
     from ninfer.bench.needle import build_cases
     from ninfer.tools.probe import default_model_dir
     model = args.model or str(default_model_dir())
+    if args.text:
+        if not (Path(model) / "config.json").is_file():
+            raise SystemExit(f"ninfer bench kl: no config.json in {model}")
+        return _run_text(args, model)
     try:  # bad input fails here, before any model is loaded
         kvs = T.kv_dtypes(args.kv_dtype)
         T.kv_dtypes(args.reference)

@@ -72,15 +72,18 @@ def quantized_kv(model, codec: Codec | None, layers: Sequence[int] | None = None
         model.set_attn_implementation(old)
 
 
-def load(model_dir: str):
+def load(model_dir: str, device: str = "cpu"):
+    """float32 model on ``device`` ("auto": CUDA where present) and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     return model, AutoTokenizer.from_pretrained(model_dir)
 
 
-def token_ids(tok, texts: dict[str, str], max_tokens: int) -> dict[str, torch.Tensor]:
-    return {k: torch.tensor(tok(t).input_ids[:max_tokens])[None] for k, t in texts.items()}
+def token_ids(tok, texts: dict[str, str], max_tokens: int, device="cpu") -> dict[str, torch.Tensor]:
+    return {k: torch.tensor(tok(t).input_ids[:max_tokens], device=device)[None] for k, t in texts.items()}
 
 
 @torch.no_grad()
@@ -102,3 +105,59 @@ def doc_kl(model, ids: dict[str, torch.Tensor], refs: dict[str, torch.Tensor], c
         for name, x in ids.items():
             out[name] = float(kl(refs[name], log_probs(model, x)).mean())
     return out
+
+
+def codec_names(spec: str) -> list[str]:
+    """Comma-separated servable kv-dtypes and ``rk4v4-e8:baseline``; unknown names raise ValueError."""
+    names = [s.strip().lower() for s in spec.split(",") if s.strip()]
+    for n in names:
+        if n != "rk4v4-e8:baseline":
+            get_format(n)
+    if not names:
+        raise ValueError("give at least one kv-dtype")
+    return names
+
+
+def run_text(args) -> dict:
+    """``ninfer bench kl --text``: next-token KL on the shipped passages, per kv-dtype and plane set,
+    and with ``--per-layer`` one layer quantized at a time. Returns the JSON-able result."""
+    import time
+
+    t0 = time.time()
+    names = codec_names(args.kv_dtype)
+    planes = [p.strip() for p in args.planes.split(",") if p.strip()]
+    if not planes or any(p not in ("kv", "k", "v") for p in planes):
+        raise ValueError(f"--planes takes kv, k and v, got {args.planes!r}")
+    if args.tokens < 2:
+        raise ValueError("--tokens must be >= 2")
+    model, tok = load(args.model, args.device)
+    ids = token_ids(tok, documents(), args.tokens, model.device)
+    refs = {k: log_probs(model, x) for k, x in ids.items()}
+    rows = []
+    for name in names:
+        for pl in planes:
+            per_doc = doc_kl(model, ids, refs, format_codec(name), planes=pl)
+            v = list(per_doc.values())
+            rows.append({"kv_dtype": name, "planes": pl, "mean_kl": sum(v) / len(v), "min_doc": min(v),
+                         "max_doc": max(v), "docs": per_doc})
+    per_layer = {}
+    if args.per_layer:
+        for name in names:
+            per_layer[name] = [sum(d.values()) / len(d) for d in
+                               (doc_kl(model, ids, refs, format_codec(name), layers=[i])
+                                for i in range(model.config.num_hidden_layers))]
+    return {"bench": "kl-text", "model": args.model, "tokens": {k: int(x.shape[1]) for k, x in ids.items()},
+            "rows": rows, "per_layer": per_layer, "seconds": round(time.time() - t0, 1)}
+
+
+def text_table(res: dict) -> str:
+    n = sum(res["tokens"].values())
+    lines = [f"next-token KL vs unquantized KV, {len(res['tokens'])} passages, {n} positions (mean over "
+             "passages; min / max passage)",
+             "| kv-dtype | quantized | mean KL (nats) | min passage | max passage |", "|---|---|---|---|---|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['kv_dtype']} | {r['planes'].upper()} | {r['mean_kl']:.3e} | {r['min_doc']:.3e} | "
+                     f"{r['max_doc']:.3e} |")
+    for name, v in res["per_layer"].items():
+        lines.append(f"{name} one layer at a time (K and V): " + " ".join(f"L{i} {x:.2e}" for i, x in enumerate(v)))
+    return "\n".join(lines)

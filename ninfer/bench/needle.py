@@ -185,7 +185,11 @@ def table(results: dict[str, list[dict]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    model_dir = str(args.model or default_model_dir())
+    from ninfer.checkpoints import resolve_model
+    try:
+        model_dir = str(resolve_model(args.model) if args.model else default_model_dir())
+    except ValueError as e:
+        raise SystemExit(f"ninfer bench needle: {e}")
     contexts = [parse_token_count(x) for x in args.contexts.split(",") if x.strip()]
     kvs = [x.strip() for x in args.kv_dtype.split(",") if x.strip()]
     results: dict[str, list[dict]] = {}

@@ -2,14 +2,14 @@
 same checkpoint and prompts as the outside reference, and the prefill attention kernels against torch
 SDPA (flash, cuDNN) on the same shapes.
 
-End to end: one engine per kv-dtype (prefix reuse off), a warm-up request as long as the shortest
-prompt, then --repeats requests per prompt length, each a fresh random prompt whose head varies per
+End to end: one engine per kv-dtype (prefix reuse off), a warm-up request (--warmup-tokens, default
+the shortest prompt), then --repeats requests per prompt length, each a fresh random prompt whose head varies per
 repeat; one generated token, so TTFT is the whole chunked prefill. `--peer transformers` runs the same
 prompts in a subprocess: AutoModelForCausalLM in bf16 with attn_implementation="sdpa", one forward with
 logits_to_keep=1. "% of ideal" is the model's prefill FLOPs (matmuls + causal attention) over the
 measured bf16 matmul rate (an 8192^3 product on random data).
 
-Kernels (CUDA): a --chunk-token chunk over N cached tokens, causal in the chunk, batch 1. ninfer's
+Kernels (CUDA): a --chunk-tokens chunk over N cached tokens, causal in the chunk, batch 1. ninfer's
 SDPA path (ninfer/attention/prefill_sdpa.py) and Triton kernel per format, FLOPs 4 Hq D chunk
 (N + chunk/2); torch SDPA bf16 one unmasked call of the chunk over N keys already expanded to the
 query heads, FLOPs 4 Hq D chunk N (the same work without the diagonal block, in the layout SDPA
@@ -49,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # -- FLOPs ----------------------------------------------------------------------------------------
 def model_prefill_flops(mc: Any, n: int) -> float:
-    """Matmul FLOPs of one prefill of n tokens (projections, MLP, causal attention, one lm-head row)."""
+    """Matmul FLOPs of one prefill of n tokens of a dense decoder (projections, MLP, causal attention,
+    one lm-head row)."""
     h, q, kv = mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
     per_tok = 2 * (h * q + 2 * h * kv + q * h + 3 * h * mc.intermediate_size)
     layers = mc.num_layers

@@ -65,7 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
-    model_dir = str(args.model or default_model_dir())
+    from ninfer.checkpoints import resolve_model
+    try:
+        model_dir = str(resolve_model(args.model) if args.model else default_model_dir())
+    except ValueError as e:
+        raise SystemExit(f"ninfer bench sanity: {e}")
     cases = prompts(AutoTokenizer.from_pretrained(model_dir))
     t0 = time.time()
     test = generate(model_dir, args.kv_dtype, args.device, cases)

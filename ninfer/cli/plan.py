@@ -75,12 +75,16 @@ def plan_table(model: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """One row per kv-dtype: the plan (as a dict) or the refusal with its numbers."""
     from ninfer.engine.engine import declared_cache_spec
     from ninfer.kvcache.formats import get_format
-    from ninfer.kvcache.planner import GiB, ContextDoesNotFit, _torch_dtype, plan_memory, resolve_weights_dtype
+    from ninfer.kvcache.planner import (GiB, ContextDoesNotFit, _torch_dtype, default_cache_spec, plan_memory,
+                                        resolve_weights_dtype)
     mem = int(args.memory * GiB)
     wdtype = resolve_weights_dtype(args.weights_dtype, model)
     rows = []
     for name in _kv_dtypes(args):
-        spec = declared_cache_spec(model, get_format(name))  # what the engine would allocate, layer by layer
+        try:  # what the engine would allocate, layer by layer
+            spec = declared_cache_spec(model, get_format(name))
+        except ValueError:  # not servable here (yet): the config's arithmetic alone, as before
+            spec = default_cache_spec(model, name)
         row: dict[str, Any] = {"kv_dtype": name, "bytes_per_token": spec.bytes_per_token(_torch_dtype(wdtype))}
         try:
             plan = plan_memory(model, kv_dtype=name, total_bytes=mem, free_bytes=mem, max_context=args.max_context,

@@ -7,6 +7,7 @@ pool allocated from the plan, its plane geometry asserted against the format ent
 CLI and the server. The engine is driven from one thread: add_request / abort_request / step."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -142,8 +143,9 @@ class LLMEngine:
             # A CPU run holds a few requests, not a GPU's worth: size the pool for what is asked.
             pages = -(-self.max_context // PAGE_SIZE) * min(config.max_num_seqs, CPU_AUTO_SEQS)
             if pages < self.plan.num_pages:
-                self.plan = plan_for_engine(mc, plan_cfg.replace(kv_capacity=pages * PAGE_SIZE), mem, "cpu",
-                                            max_context=self.max_context, cache_spec=self.cache_spec)
+                self.plan = dataclasses.replace(
+                    plan_for_engine(mc, plan_cfg.replace(kv_capacity=pages * PAGE_SIZE), mem, "cpu",
+                                    max_context=self.max_context, cache_spec=self.cache_spec), capacity_mode="auto")
 
         rope = {"rope_yarn_factor": config.rope_yarn_factor,
                 "rope_original_max_position": config.rope_original_max_position}

@@ -107,6 +107,8 @@ class GrammarCache:
 
     def _get_compiler(self) -> Any:
         if self._compiler is None:
+            if self._tokenizer is None and self._info is None:
+                raise StructuredError("structured output needs the model's tokenizer (this checkpoint has none)")
             xgr = _xgr()
             info = self._info or xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
                                                                     stop_token_ids=self._stop or None)

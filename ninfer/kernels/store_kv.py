@@ -24,7 +24,9 @@ Bit-exactness with the torch reference (``ninfer/kvcache/formats/`` + ``e8.py``)
   even, underflow -> 2^-24; 4-bit: rounded up), ``z = x * RN(1/s)`` (rk4v4-e8: the exact product
   rounded to the 2^-8 grid, in float64), ``rint`` via the 1.5*2^23
   trick (round half to even), the E8 search with the same keys, tie rules and the sequential
-  j = 0..7 sum.
+  j = 0..7 sum; then rk4v4-e8's scale refit (``e8.encode_e8_refit``: least-squares scale, one
+  re-projection, the lower decoded-domain cost; its dot products are exact float32 sums, so
+  ``tl.sum``'s order is free), which also decides the stored scale.
 * Where the reference raises (NaN/Inf, a scale that overflows fp16) a kernel cannot (no host
   sync): the scale saturates at 65504 and codes clamp to the box.
 """

@@ -77,8 +77,7 @@ class ChatPlan:
         for a schema the compiler rejects."""
         if self.reasoning is None and self.schema is None and self.tool_parser is None:
             return params
-        # the tokenizer pool has several threads: each uses its own copy (serving.tokenizer)
-        tail = await serving.on_tokenizer(lambda: serving.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False))
+        tail = await serving.on_tokenizer(_decode_tail, serving, prompt_ids[-32:])
         if self.schema is None and (self.tool_parser is None or self.tool_choice == "auto"):
             self.read_prompt(tail)        # only where the reasoning starts matters
             return params
@@ -223,6 +222,12 @@ def _think_then_json(reasoning: ReasoningParser, mode: str, schema: dict) -> str
         think = st.OptionalFormat(content=think)
     body = st.SequenceFormat(elements=[think, st.JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=1)])
     return st.StructuralTag(format=body).model_dump_json()
+
+
+def _decode_tail(serving: Any, ids: list[int]) -> str:
+    """On a tokenizer thread: that thread's tokenizer where the server keeps one per thread."""
+    tok = getattr(serving, "tokenizer", None) or serving.engine.tokenizer
+    return tok.decode(ids, skip_special_tokens=False)
 
 
 def have_xgrammar() -> bool:

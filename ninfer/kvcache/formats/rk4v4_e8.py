@@ -1,6 +1,8 @@
 """``rk4v4-e8``, the headline format: rotated like rk4v4, fp16 scale per 64-group rounded up,
 s = absmax/C_E8 (C = 8, see rk4v4.py for the sweep), code units on the 2^-8 grid, nearest E8 point
-in the box, coset bit in nibble 7 (``e8.py``)."""
+in the box, coset bit in nibble 7 (``e8.py``). The encoder refits the scale by least squares and
+re-projects once (``e8.encode_e8_refit``); ``quantize`` is the plain nearest point at s (the first
+encoder, kept for the benches)."""
 from __future__ import annotations
 
 import torch
@@ -19,11 +21,9 @@ class E8Format(ScaledFormat):
         """Nearest E8 points at the given scale (no refit): the baseline encoder, for comparisons."""
         return _e8.encode_e8(z)
 
-    def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         xr = rotate(x).to(torch.float32)
-        s16, s = group_scales(xr, float(self.scale_divisor), round_up=True)
-        # The least-squares scale refit (e8.encode_e8_refit) picks the stored scale and points:
-        # the same bitstream and decoders as the plain nearest-point encoder, lower error.
+        _, s = group_scales(xr, float(self.scale_divisor), round_up=True)
         return _e8.encode_e8_refit(code_units(xr, s, self.code_grid), s[..., 0])
 
     def decode_codes(self, data: torch.Tensor) -> torch.Tensor:
