@@ -104,10 +104,13 @@ def run(args: argparse.Namespace) -> int:
     from ninfer.bench import _timing as T
     from ninfer.bench.needle import build_cases
     from ninfer.tools.probe import default_model_dir
+    from ninfer.checkpoints import resolve_model
     model = args.model or str(default_model_dir())
+    try:  # a directory, a .gguf file or an alias such as smollm2
+        model = str(resolve_model(model))
+    except ValueError as e:
+        raise SystemExit(f"ninfer bench kl: {e}")
     if args.text:
-        if not (Path(model) / "config.json").is_file():
-            raise SystemExit(f"ninfer bench kl: no config.json in {model}")
         return _run_text(args, model)
     try:  # bad input fails here, before any model is loaded
         kvs = T.kv_dtypes(args.kv_dtype)
@@ -117,11 +120,6 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"ninfer bench kl: {e}")
     if not contexts or args.docs < 1:
         raise SystemExit("ninfer bench kl: give at least one context and --docs >= 1")
-    from ninfer.checkpoints import resolve_model
-    try:
-        model = str(resolve_model(model))
-    except ValueError as e:
-        raise SystemExit(f"ninfer bench kl: {e}")
     t0 = time.time()
     results: dict[str, dict[str, dict]] = {k: {} for k in kvs}
     ref_answers: dict[int, list[str]] = {}

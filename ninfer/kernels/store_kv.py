@@ -24,9 +24,7 @@ Bit-exactness with the torch reference (``ninfer/kvcache/formats/`` + ``e8.py``)
   even, underflow -> 2^-24; 4-bit: rounded up), ``z = x * RN(1/s)`` (rk4v4-e8: the exact product
   rounded to the 2^-8 grid, in float64), ``rint`` via the 1.5*2^23
   trick (round half to even), the E8 search with the same keys, tie rules and the sequential
-  j = 0..7 sum; then rk4v4-e8's scale refit (``e8.encode_e8_refit``: least-squares scale, one
-  re-projection, the lower decoded-domain cost; its dot products are exact float32 sums, so
-  ``tl.sum``'s order is free), which also decides the stored scale.
+  j = 0..7 sum.
 * Where the reference raises (NaN/Inf, a scale that overflows fp16) a kernel cannot (no host
   sync): the scale saturates at 65504 and codes clamp to the box.
 """
@@ -69,9 +67,8 @@ def _split8(x):
 
 @triton.jit
 def _e8_words(zs):
-    """The E8 search per word, elementwise on the 8 slices zs[j] ([BT, 8 (w)] float32) -> (packed
-    words with the coset bit, <z, p> and <p, p> per token, exact): ``e8.coset_candidates``' ops,
-    keys, tie rules and sequential sum, then ``e8._dots``."""
+    """The E8 search per word, elementwise on the 8 slices zs[j] ([BT, 8 (w)] float32) -> packed
+    words with the coset bit: ``e8.coset_candidates``' ops, keys, tie rules and sequential sum."""
     s = tl.zeros(zs[0].shape, tl.float32)
     k0b = tl.zeros(zs[0].shape, tl.float32)
     vb = tl.zeros(zs[0].shape, tl.float32)
@@ -112,52 +109,7 @@ def _e8_words(zs):
     up = ((m >> sh) & 1) == half.to(tl.int32)  # integer coset: up unless r < 0; half: up iff m
     up = tl.where(up, nib < 15, nib == 0)  # at the box edge: inward
     w = w + tl.where(tl.where(half, odd1, odd0), tl.where(up, 1, -1) << sh, 0)
-    return (w & ~(1 << 28)) | (half.to(tl.int32) << 28), w, half
-
-
-@triton.jit
-def _dots(zs, w, half):
-    """<z, p> and <p, p> per token of the points p = n + c/2 (w: nibbles n + 8, n7's own low bit)
-    against the slices zs: e8._dots, exact float32 sums (their order is free)."""
-    zp = tl.zeros(zs[0].shape, tl.float32)
-    pp = tl.zeros(zs[0].shape, tl.float32)
-    for j in tl.static_range(8):
-        p = (((w >> (4 * j)) & 15) - 8).to(tl.float32) + tl.where(half, 0.5, 0.0)
-        zp = zp + zs[j] * p
-        pp = pp + p * p
-    return tl.sum(zp, axis=1), tl.sum(pp, axis=1)
-
-
-@triton.jit
-def _grid(v):
-    """float64 v rounded to the 2^-8 grid (e8.GRID, half to even) at 1.5 * 2^44, as float32."""
-    return ((v + 26388279066624.0) - 26388279066624.0).to(tl.float32)
-
-
-@triton.jit
-def _refit(s0, zp, pp):
-    """e8._refit: fp16_rn(min(s0 * (zp / pp), 65504)) as float32, 0 where pp == 0."""
-    q = tl.math.div_rn(zp, tl.where(pp > 0.0, pp, 1.0))
-    s = tl.minimum(s0 * q, 65504.0).to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
-    return tl.where(pp > 0.0, s, 0.0)
-
-
-@triton.jit
-def _e8_refit(z, s0, BT: tl.constexpr):
-    """e8.encode_e8_refit on code units z [BT, 64] of scales s0 [BT] -> (words [BT, 8], scales [BT])."""
-    zs = _split8(tl.permute(tl.reshape(z, (BT, 8, 8)), (0, 2, 1)))
-    e0, w0, h0 = _e8_words(zs)
-    zp0, pp0 = _dots(zs, w0, h0)
-    s1 = _refit(s0, zp0, pp0)
-    ok = s1 > 0.0
-    t = tl.math.div_rn(s0, tl.where(ok, s1, 1.0))
-    z1 = tl.minimum(tl.maximum(_grid(z.to(tl.float64) * t.to(tl.float64)[:, None]), -8.0), 8.0)
-    e1, w1, h1 = _e8_words(_split8(tl.permute(tl.reshape(z1, (BT, 8, 8)), (0, 2, 1))))
-    zp1, pp1 = _dots(zs, w1, h1)  # against z0, as the cost
-    s2 = _refit(s0, zp1, pp1)
-    two = s0 + s0
-    take = ok & (s2 > 0.0) & (s2 * (s2 * pp1 - two * zp1) < s1 * (s1 * pp0 - two * zp0))
-    return tl.where(take[:, None], e1, e0), tl.where(take, s2, tl.where(ok, s1, s0))
+    return (w & ~(1 << 28)) | (half.to(tl.int32) << 28)
 
 
 @triton.jit
@@ -192,11 +144,10 @@ def _store_group(x_ptr, sxt, sxh, data_ptr, scale_ptr, rows, tok, valid, h, g, C
         up = (s16.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True)
         s16 = tl.where(s16.to(tl.float32) < raw, up, s16)
     s = s16.to(tl.float32)
-    if FMT != 3:
-        tl.store(scale_ptr + rows * G + g, s16, mask=valid)
+    tl.store(scale_ptr + rows * G + g, s16, mask=valid)
     y = tl.where(s > 0.0, tl.math.div_rn(tl.full([BT], 1.0, tl.float32), tl.where(s > 0.0, s, 1.0)), 0.0)
     if FMT == 3:  # on the 2^-8 grid (e8.GRID): the exact product (float64 holds it) rounded once at 1.5 * 2^44
-        z = _grid(r.to(tl.float64) * y.to(tl.float64)[:, None])
+        z = (((r.to(tl.float64) * y.to(tl.float64)[:, None]) + 26388279066624.0) - 26388279066624.0).to(tl.float32)
     else:
         z = r * y[:, None]  # code units: x * RN(1/s), as formats.code_units
     if FMT == 1:
@@ -212,8 +163,7 @@ def _store_group(x_ptr, sxt, sxh, data_ptr, scale_ptr, rows, tok, valid, h, g, C
                 u = tl.minimum(tl.maximum(_rint(zs[j]), -8.0), 7.0).to(tl.int32) + 8
                 words = words | (u << (4 * j))
         else:
-            words, s = _e8_refit(z, s, BT)
-            tl.store(scale_ptr + rows * G + g, s.to(tl.float16), mask=valid)
+            words = _e8_words(zs)
         w = tl.arange(0, 8)
         tl.store(data_ptr + rows[:, None] * (D // 8) + g * 8 + w[None, :], words, mask=m)
 

@@ -116,7 +116,7 @@ KV_HD uint32_t popc(uint32_t x) {
 // clamp and its z + 8 term change nothing. Per coordinate: f = min(rint(z), 7), r = z - f, a = |r|;
 // the integer coset's move key k0 = min(a, 7 - z), the half coset's v = max(a, -7 - z) (its key
 // is 0.5 - v); the half coset's value is f - m, m = [r < 0]. Half minus integer distance: 2 - sum(a).
-KV_HD uint32_t e8_search_word(const float (&z)[8], bool& half_out) {
+KV_HD uint32_t encode_e8_word(const float (&z)[8]) {
   float lo = 34952.f, hi = 34952.f;  // offset-binary nibbles as exact float sums: 8 x (1+16+256+4096)
   float S = 0.f, K0 = 0.f, V = 0.f;
   float k0s[8], vs[8];
@@ -153,66 +153,7 @@ KV_HD uint32_t e8_search_word(const float (&z)[8], bool& half_out) {
     if (up ? nib == one * 15u : nib == 0) up = !up;
     w = up ? w + one : w - one;
   }
-  half_out = half;
-  return w;  // nibbles n + 8, n7's own low bit (e8_word puts the coset bit there)
-}
-
-// the stored word: the coset bit replaces n7's low bit (the parity of n0..n6)
-KV_HD uint32_t e8_word(uint32_t w, bool half) { return (w & ~(1u << 28)) | ((uint32_t)half << 28); }
-
-KV_HD uint32_t encode_e8_word(const float (&z)[8]) {
-  bool half;
-  const uint32_t w = e8_search_word(z, half);
-  return e8_word(w, half);
-}
-
-// ---------------------------------------------------------------------------------------------
-// rk4v4-e8's scale refit (e8.py encode_e8_refit, which says why every step is exact or one
-// IEEE op): the first code units z0 and scale s0, the least-squares scale s1 for their points,
-// a re-projection with s1, its own least-squares scale s2, the lower decoded-domain cost wins.
-KV_HD float fdiv(float a, float b) {
-#ifdef __CUDA_ARCH__
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
-KV_HD float fp16_rn(float v) {  // v (>= 0, <= 65504) rounded to the nearest fp16, half to even
-#ifdef __CUDA_ARCH__
-  return __half2float(__float2half_rn(v));
-#else
-  if (v < 6.103515625e-05f) return rintf(v * 16777216.f) * 5.9604644775390625e-08f;  // subnormal: 2^-24 steps
-  int e;
-  frexpf(v, &e);
-  const float q = ldexpf(1.f, e - 11);
-  return rintf(v / q) * q;
-#endif
-}
-
-// <z, p> and <p, p> over one word's 8 coordinates, p = n + c/2 from the search's word w: exact
-// float32 sums (z on the 2^-8 grid, p on halves, |z|, |p| <= 8), so any order gives the same.
-KV_HD void word_dots(const float (&z)[8], uint32_t w, bool half, float& zp, float& pp) {
-  zp = 0.f;
-  pp = 0.f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float p = fadd((float)((w >> (4 * j)) & 15u), half ? -7.5f : -8.f);
-    zp = ffma(z[j], p, zp);
-    pp = ffma(p, p, pp);
-  }
-}
-
-// s = fp16_rn(min(s0 * (zp / pp), 65504)), 0 where pp == 0
-KV_HD float refit_scale(float s0, float zp, float pp) {
-  return pp > 0.f ? fp16_rn(fminf(fmul(s0, fdiv(zp, pp)), 65504.f)) : 0.f;
-}
-// |s0 z0 - s p|^2 - |s0 z0|^2 = s (s <p,p> - 2 s0 <z0,p>)
-KV_HD float refit_cost(float s, float s0, float zp, float pp) {
-  return fmul(s, fadd(fmul(s, pp), -fmul(fadd(s0, s0), zp)));
-}
-// the re-projection's code units: clamp(grid(z0 x t), -8, 8), t = s0 / s1 (|z0 t| < 2^14)
-KV_HD float reproject(float z, float t) {
-  return fminf(fmaxf(grid_unit(z, t), -8.f), 8.f);
+  return (w & ~(1u << 28)) | ((uint32_t)half << 28);
 }
 
 
@@ -238,8 +179,6 @@ __device__ __forceinline__ h2 h2_fma(h2 a, h2 b, h2 c) { return __hfma2(a, b, c)
 __device__ __forceinline__ uint32_t h2_lt_mask(h2 a, h2 b) { return __hlt2_mask(a, b); }
 __device__ __forceinline__ uint32_t h2_eq_mask(h2 a, h2 b) { return __heq2_mask(a, b); }
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) { return __byte_perm(a, b, s); }
-__device__ __forceinline__ float h2_lo(h2 a) { return __low2float(a); }
-__device__ __forceinline__ float h2_hi(h2 a) { return __high2float(a); }
 #else
 struct h2 {
   float x, y;
@@ -264,8 +203,6 @@ static inline float h_value(uint32_t b) {
   return (b & 0x8000u) ? -v : v;
 }
 static inline uint32_t h2_bits(h2 h) { return h_bits(h.x) | (h_bits(h.y) << 16); }
-static inline float h2_lo(h2 a) { return a.x; }
-static inline float h2_hi(h2 a) { return a.y; }
 static inline h2 bits_h2(uint32_t u) { return {h_value(u & 0xffffu), h_value(u >> 16)}; }
 static inline h2 h2_pair(float a, float b) { return {h_round(a), h_round(b)}; }
 static inline h2 h2_add(h2 a, h2 b) { return {h_round(a.x + b.x), h_round(a.y + b.y)}; }
@@ -285,8 +222,7 @@ static inline uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {  // __byte_per
 #endif
 
 // Words A and B of encode_e8_word at once (same keys, tie rules and moves; z on the grid, |z| <= 8).
-// Returns e8_search_word's words (n7's own low bit) and coset choices; e8_word gives the stored words.
-KV_HD void encode_e8_pair(const h2 (&z)[8], uint32_t& wa, uint32_t& wb, bool& ha, bool& hb) {
+KV_HD void encode_e8_pair(const h2 (&z)[8], uint32_t& wa, uint32_t& wb) {
   const h2 c1544 = bits_h2(0x66086608u), c1551 = bits_h2(0x660F660Fu), c7 = bits_h2(0x47004700u),
            cm7 = bits_h2(0xC700C700u), zero = bits_h2(0u);
   h2 S, K0, V, k0s[8], vs[8], f[8];
@@ -333,7 +269,6 @@ KV_HD void encode_e8_pair(const h2 (&z)[8], uint32_t& wa, uint32_t& wb, bool& ha
   }
   const uint32_t odd = (p1 & half) | (p0 & ~half);
   uint32_t out[2];
-  bool hs[2];
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     const uint32_t sel = e ? 0x7632u : 0x5410u;
@@ -345,44 +280,19 @@ KV_HD void encode_e8_pair(const h2 (&z)[8], uint32_t& wa, uint32_t& wb, bool& ha
     const uint32_t nib = w & (one * 15u);
     if (up ? nib == one * 15u : nib == 0) up = !up;
     if ((odd >> (16 * e)) & 1) w = up ? w + one : w - one;
-    out[e] = w;
-    hs[e] = hf;
+    out[e] = (w & ~(1u << 28)) | ((uint32_t)hf << 28);
   }
   wa = out[0];
   wb = out[1];
-  ha = hs[0];
-  hb = hs[1];
-}
-
-// The pair search over a group (z[w / 2][j] = words w, w + 1 at j) and its points' dots against
-// the first code units z0 (word_dots per word; exact sums).
-KV_HD void search_group(const h2 (&z)[4][8], const h2 (&z0)[4][8], uint32_t (&w)[8], bool (&hf)[8], float& zp,
-                        float& pp) {
-  zp = 0.f;
-  pp = 0.f;
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    encode_e8_pair(z[q], w[2 * q], w[2 * q + 1], hf[2 * q], hf[2 * q + 1]);
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      float zf[8], a, b;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) zf[j] = e ? h2_hi(z0[q][j]) : h2_lo(z0[q][j]);
-      word_dots(zf, w[2 * q + e], hf[2 * q + e], a, b);
-      zp = fadd(zp, a);
-      pp = fadd(pp, b);
-    }
-  }
 }
 
 // kv_store_rows after the rotation: code units and the 8 words of one 64-group (word w holds
-// coordinates 8j + w) of scale s0 (y = RN(1 / s0)); returns the scale to store. rk4v4-e8 rounds to
-// the grid, searches two words per instruction and refits the scale (e8.py encode_e8_refit).
+// coordinates 8j + w). rk4v4-e8 rounds to the grid and searches two words per instruction.
 template <int FMT>
-KV_HD float encode_group(float (&a)[64], float s0, float y, uint32_t (&words)[8]) {
+KV_HD void encode_group(float (&a)[64], float y, uint32_t (&words)[8]) {
   if (FMT == 3) {
     const float yp = 0.125f * y, yn = -0.125f * y;
-    h2 z[4][8], z1[4][8];
+    h2 z[4][8];
 #pragma unroll
     for (int w = 0; w < 8; w += 2) {
 #pragma unroll
@@ -392,27 +302,8 @@ KV_HD float encode_group(float (&a)[64], float s0, float y, uint32_t (&words)[8]
                               grid_unit(a[i + 1], sign_at(i + 1) > 0.f ? yp : yn));
       }
     }
-    uint32_t w0[8], w1[8];
-    bool h0[8], h1[8];
-    float zp0, pp0, zp1, pp1;
-    search_group(z, z, w0, h0, zp0, pp0);
-    const float s1 = refit_scale(s0, zp0, pp0);
-    bool take = false;
-    float s2 = 0.f;
-    if (s1 > 0.f) {
-      const float t = fdiv(s0, s1);
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) z1[q][j] = h2_pair(reproject(h2_lo(z[q][j]), t), reproject(h2_hi(z[q][j]), t));
-      }
-      search_group(z1, z, w1, h1, zp1, pp1);
-      s2 = refit_scale(s0, zp1, pp1);
-      take = s2 > 0.f && refit_cost(s2, s0, zp1, pp1) < refit_cost(s1, s0, zp0, pp0);
-    }
-#pragma unroll
-    for (int w = 0; w < 8; ++w) words[w] = take ? e8_word(w1[w], h1[w]) : e8_word(w0[w], h0[w]);
-    return take ? s2 : (s1 > 0.f ? s1 : s0);
+    for (int w = 0; w < 8; w += 2) encode_e8_pair(z[w / 2], words[w], words[w + 1]);
   } else {
     code_units_group(a, y);
 #pragma unroll
@@ -422,7 +313,6 @@ KV_HD float encode_group(float (&a)[64], float s0, float y, uint32_t (&words)[8]
       for (int j = 0; j < 8; ++j) z[j] = a[8 * j + w];
       words[w] = encode_scalar4_word(z);
     }
-    return s0;
   }
 }
 

@@ -54,14 +54,11 @@ __device__ __forceinline__ __half group_scale(float amax, float inv_c, float& s,
 }
 
 __device__ __forceinline__ uint32_t encode_word(const float (&z)[8]) {
-  return kv::encode_scalar4_word(z);  // rk4v4 (rk4v4-e8 refits its scale in kv_store)
-}
-
-// the sum over the 8 lanes of a group (xor shuffles: every lane gets it)
-__device__ __forceinline__ float group_sum(float v) {
-#pragma unroll
-  for (int m = 1; m < 8; m <<= 1) v = kv::fadd(v, __shfl_xor_sync(0xffffffffu, v, m, 8));
-  return v;
+#if KV_FMT == 3
+  return kv::encode_e8_word(z);
+#else
+  return kv::encode_scalar4_word(z);
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(128) kv_store(
@@ -118,36 +115,13 @@ extern "C" __global__ void __launch_bounds__(128) kv_store(
     const float sign = ((j & 1) ? s_odd : s_even) * ((j & 6) == 6 ? -1.f : 1.f);
     z[j] = KV_FMT == 3 ? kv::grid_unit(a[j], sign > 0.f ? yp : yn) : kv::fmul(a[j], sign > 0.f ? yp : yn);
   }
-#if KV_FMT == 3
-  // the scale refit (kv_encode.cuh, e8.py encode_e8_refit); the group's sums are exact in any order
-  bool h0, h1;
-  float zp0, pp0, zp1, pp1, z1[8];
-  const uint32_t w0 = kv::e8_search_word(z, h0);
-  kv::word_dots(z, w0, h0, zp0, pp0);
-  zp0 = group_sum(zp0);
-  pp0 = group_sum(pp0);
-  const float s1 = kv::refit_scale(s, zp0, pp0);
-  const float tq = s1 > 0.f ? kv::fdiv(s, s1) : 1.f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) z1[j] = kv::reproject(z[j], tq);
-  const uint32_t w1 = kv::e8_search_word(z1, h1);
-  kv::word_dots(z, w1, h1, zp1, pp1);
-  zp1 = group_sum(zp1);
-  pp1 = group_sum(pp1);
-  const float s2 = kv::refit_scale(s, zp1, pp1);
-  const bool take = s1 > 0.f && s2 > 0.f && kv::refit_cost(s2, s, zp1, pp1) < kv::refit_cost(s1, s, zp0, pp0);
-  const uint32_t word = take ? kv::e8_word(w1, h1) : kv::e8_word(w0, h0);
-  const __half s_out = __float2half_rn(take ? s2 : (s1 > 0.f ? s1 : s));
-#else
   const uint32_t word = encode_word(z);
-  const __half s_out = s16;
-#endif
   const int64_t slot = (int64_t)slots[t];
   if (live && slot >= 0) {
     const int64_t page = slot >> page_log2, off = slot & ((1 << page_log2) - 1);
     const int64_t row = ((page * hkv + h) << page_log2) + off;
     (which ? vd : kd)[row * (groups * 8) + g * 8 + w] = word;
-    if (w == 0) (which ? vs : ks)[row * groups + g] = s_out;
+    if (w == 0) (which ? vs : ks)[row * groups + g] = s16;
   }
 }
 
@@ -178,7 +152,7 @@ extern "C" __global__ void __launch_bounds__(128, KV_ROWS_MINB) kv_store_rows(
   float s, y;
   const __half s16 = group_scale(amax * 0.125f, inv_c, s, y);
   uint32_t words[8];
-  const __half s_out = __float2half_rn(kv::encode_group<KV_FMT>(a, s, y, words));  // an fp16 value: exact
+  kv::encode_group<KV_FMT>(a, y, words);
   const int64_t slot = (int64_t)slots[t];
   if (slot < 0) return;
   const int64_t page = slot >> page_log2, off = slot & ((1 << page_log2) - 1);
@@ -186,6 +160,6 @@ extern "C" __global__ void __launch_bounds__(128, KV_ROWS_MINB) kv_store_rows(
   uint4* out = reinterpret_cast<uint4*>((which ? vd : kd) + row * (groups * 8) + g * 8);
   out[0] = make_uint4(words[0], words[1], words[2], words[3]);
   out[1] = make_uint4(words[4], words[5], words[6], words[7]);
-  (which ? vs : ks)[row * groups + g] = s_out;
+  (which ? vs : ks)[row * groups + g] = s16;
 }
 
