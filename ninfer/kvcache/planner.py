@@ -34,7 +34,7 @@ Terms (all bytes; "context pages" = ceil(max_context / PAGE_SIZE)):
 runtime = kv + states + page_tables + workspace + graphs; a plan fits when weights + runtime + headroom
 <= free. Everything but kv and page_tables is independent of the context, so the largest context
 that fits has a closed form (see `plan_memory`). There is no RoPE table term: cos/sin are computed
-from the positions of each step (models/rope.py), inside the workspace.
+from the positions of each step (layers/rotary.py), inside the workspace.
 """
 from __future__ import annotations
 
