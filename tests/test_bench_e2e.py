@@ -1,4 +1,4 @@
-"""Issue 7's tooling on CPU with tiny checkpoints: `ninfer bench matched|sweep|memory` end to end,
+"""The engine benchmarks on CPU with tiny checkpoints: `ninfer bench matched|sweep|memory` end to end,
 the cache-artifact (TTFT collapse) detector, and the random-weight checkpoint writer."""
 from __future__ import annotations
 

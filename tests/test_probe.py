@@ -105,7 +105,7 @@ _HAVE_MODEL = (default_model_dir() / "config.json").is_file()
 
 @pytest.mark.skipif(not _HAVE_MODEL, reason="no bundled probe model")
 def test_bundled_probe_shape_and_files() -> None:
-    """The issue's shape: head_dim 256, 6 Q heads per KV head, >= 4 layers, files <= 16 MiB."""
+    """The probe's geometry: head_dim 256, 6 Q heads per KV head, >= 4 layers, files <= 16 MiB."""
     d = default_model_dir()
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["model_type"] == "qwen3" and cfg["head_dim"] == 256

@@ -24,7 +24,10 @@ import json
 import math
 import sys
 import time
-from typing import Callable
+
+from ninfer.bench.kernel_report import _fmt, add_ratios, table  # noqa: F401  (re-exported)
+from ninfer.bench.kernel_timing import (MIN_CALLS, capture_graph, copy_bandwidth,  # noqa: F401
+                                        median_us, replay_sets, time_graph)
 
 GEOMETRIES = {"24q4kv-d256": (24, 4, 256), "32q8kv-d128": (32, 8, 128)}
 FORMATS = ("bf16", "int8", "rk4v4", "rk4v4-e8")
@@ -54,106 +57,6 @@ def _tokens(s: str) -> int:
     if s.endswith("m"):
         return int(float(s[:-1]) * 1024 * 1024)
     return int(s)
-
-
-# ----------------------------------------------------------------------------- timing
-def median_us(fn: Callable[[], object], rep_ms: int, warmup_ms: int = 10,
-              flush: Callable[[], object] | None = None) -> float:
-    """Median microseconds of fn over repeats, each after an untimed L2 flush: by default one that
-    *reads* 256 MB (``flush`` replaces it; scripts/timing_flush_check.py compares flushes).
-
-    triton.testing.do_bench flushes by writing (``zero_()``): the L2 is then full of dirty lines,
-    and the timed kernel pays for writing them back to HBM while it reads. On the H200 that added
-    ~9 us to every 128K decode replay (int8 86.1 -> 77.5 us with a read flush, rk4v4-e8 per-call
-    56.2 -> 52.8 us over 2 sets; docs/BENCHMARKS.md "The L2 flush"), more to a graph of one call
-    than to a graph of several, so it skewed the ratios between formats."""
-    import statistics
-
-    import torch
-
-    if flush is None:
-        flush_buf = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
-
-        def flush():
-            flush_buf.sum()
-
-    def one() -> float:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        flush()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b)
-
-    est = statistics.median(one() for _ in range(3))
-    for _ in range(max(1, int(warmup_ms / max(est, 1e-3)))):
-        fn()
-    n = max(5, min(5000, int(rep_ms / max(est, 1e-3))))
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    for i in range(n):
-        flush()
-        starts[i].record()
-        fn()
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1000.0
-
-
-def capture_graph(calls: list[Callable[[], object]]):
-    """The calls run once on a side stream (compile / first-use builds happen there, outside the
-    graph), then are captured in order into one CUDA graph, replayed once."""
-    import torch
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    return g
-
-
-# A timed replay holds at least this many calls, whatever the format's page sets: a replay's first
-# call costs ~3 us more than the calls after it (H200; docs/BENCHMARKS.md, stop 22, "How the bench's
-# one or two calls per replay weigh on the ratio"), which a graph of one call (int8 or SDPA at 128K)
-# charged in full and a graph of two (rk4v4-e8) by half.
-MIN_CALLS = 8
-
-
-def replay_sets(sets: int) -> list[int]:
-    """The page set of each call in a timed replay: 0, 1, .., sets - 1 repeated to at least MIN_CALLS
-    calls, so a set is read again only after all the others (together >= 4x the L2, ``sets_for``)."""
-    return [i % sets for i in range(sets * math.ceil(MIN_CALLS / sets))]
-
-
-def time_graph(calls: list[Callable[[], object]], rep_ms: int) -> float:
-    """Median microseconds per call: the calls are captured once into a CUDA graph, replayed under
-    ``median_us``, and the replay time is divided by len(calls)."""
-    g = capture_graph(calls)
-    us = median_us(g.replay, rep_ms, warmup_ms=max(10, rep_ms // 8))
-    del g
-    return us / len(calls)
-
-
-def copy_bandwidth(rep_ms: int) -> float:
-    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written), 2 GiB buffers."""
-    import torch
-
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
-    b = torch.empty_like(a)
-    us = median_us(lambda: b.copy_(a), rep_ms, warmup_ms=25)
-    del a, b
-    return 2.0 * n / (us * 1e-6)
 
 
 # ----------------------------------------------------------------------------- data
@@ -380,63 +283,6 @@ def bench_prefill(fmt_name: str, hq: int, hkv: int, d: int, ctx: int, chunk: int
         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
     torch.cuda.empty_cache()
     return row
-
-
-# ----------------------------------------------------------------------------- report
-def _fmt(x, spec: str, na: str = "-") -> str:
-    return na if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
-def add_ratios(rows: list[dict]) -> None:
-    """Per (geometry, context, batch): ratio of each decode time to the best int8 and to SDPA."""
-    keyf = lambda r: (r["hq"], r["hkv"], r["d"], r["context"], r["batch"])  # noqa: E731
-    groups: dict = {}
-    for r in rows:
-        if r.get("kind") == "decode":
-            groups.setdefault(keyf(r), []).append(r)
-    for rs in groups.values():
-        int8 = [r["us"] for r in rs if r["format"] == "int8" and "us" in r]
-        base = {"int8": min(int8) if int8 else None}
-        for be in ("flash", "cudnn"):
-            t = [r["us"] for r in rs if r["format"] == "sdpa-bf16" and r["backend"] == be and "us" in r]
-            base[be] = t[0] if t else None
-        for r in rs:
-            if "us" not in r:
-                continue
-            r["x_int8"] = r["us"] / base["int8"] if base["int8"] else None
-            r["x_sdpa_flash"] = r["us"] / base["flash"] if base["flash"] else None
-            r["x_sdpa_cudnn"] = r["us"] / base["cudnn"] if base["cudnn"] else None
-
-
-def table(rows: list[dict]) -> str:
-    lines = [f"{'geometry':<14}{'ctx':>6}{'B':>3}  {'kernel':<26}{'us':>9}{'MB':>8}{'%copy':>7}"
-             f"{'xint8':>7}{'xflash':>7}{'xcudnn':>7}{'rel_err':>9}"]
-    for r in rows:
-        if r.get("kind") != "decode":
-            continue
-        geo = f"{r['hq']}q{r['hkv']}kv-d{r['d']}"
-        ctx = f"{r['context'] // 1024}k"
-        if "us" in r:
-            lines.append(f"{geo:<14}{ctx:>6}{r['batch']:>3}  {r['label']:<26}{r['us']:>9.1f}{r['bytes'] / 1e6:>8.1f}"
-                         f"{r['pct_copy']:>7.1f}{_fmt(r.get('x_int8'), '7.2f'):>7}{_fmt(r.get('x_sdpa_flash'), '7.2f'):>7}"
-                         f"{_fmt(r.get('x_sdpa_cudnn'), '7.2f'):>7}{_fmt(r.get('rel_err'), '9.1e'):>9}")
-        else:
-            lines.append(f"{geo:<14}{ctx:>6}{r['batch']:>3}  {r['label']:<26}  {r.get('error', 'not run')[:80]}")
-    other = [r for r in rows if r.get("kind") in ("store", "prefill", "absent")]
-    for r in other:
-        if r["kind"] == "absent":
-            lines.append(f"{r['what']}: absent ({r['why']})")
-        elif "error" in r:
-            lines.append(f"{r['kind']} {r['format']}: {r['error'][:100]}")
-        elif r["kind"] == "store":
-            lines.append(f"store   {r['format']:<9} hkv={r['hkv']} d={r['d']} T={r['tokens']}: {r['us']:.1f} us "
-                         f"{r['pct_copy']:.1f}% copy (whole pages); scattered slots {r['us_scattered']:.1f} us "
-                         f"{r['pct_copy_scattered']:.1f}%")
-        else:
-            lines.append(f"prefill {r['format']:<9} {r['hq']}q{r['hkv']}kv-d{r['d']} ctx={r['context'] // 1024}k+"
-                         f"{r['chunk']}: {r['us']:.1f} us x_int8={_fmt(r.get('x_int8'), '.2f')} "
-                         f"{r['tflops']:.1f} TFLOP/s")
-    return "\n".join(lines)
 
 
 def run(args) -> int:

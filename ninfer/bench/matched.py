@@ -4,7 +4,7 @@ Repeats are interleaved: round r starts one engine per kv-dtype in turn (alone o
 freed before the next), in the listed order on even rounds and reversed on odd ones (A B, B A,
 A B, ...), so a drift of the machine over the run (clocks settling as the card warms) weighs on
 every kv-dtype alike. Run back to back instead, the same two engines measured int8-first 1.036x
-and e8-first 1.081x decode on one H200 (docs/BENCHMARKS.md). An engine's first start warms up with
+and e8-first 1.081x decode on one H200 (docs/BENCHMARKS.md "Measurement corrections"). An engine's first start warms up with
 a --warmup-tokens request (compiles kernels, settles the allocator); later starts run a short one
 (kernels are compiled once per process). Each timed request: random token ids whose head differs
 per round, greedy, EOS ignored, prefix reuse forced off, alone through LLMEngine.step(): TTFT is

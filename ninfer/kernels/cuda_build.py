@@ -66,7 +66,7 @@ def _driver():
 class CudaProgram:
     """One .cu file (plus headers) with ``extern "C"`` entry points (the first is the default),
     built per define set. ``src_dir``: where the files are read from (default: the package's csrc/;
-    scripts point it at another version of a source)."""
+    another directory builds another version of a source)."""
 
     def __init__(self, main: str, headers: tuple[str, ...], entry: str, src_dir: Path | None = None) -> None:
         self.files = {n: ((src_dir or CSRC) / n).read_text() for n in (*headers, main)}

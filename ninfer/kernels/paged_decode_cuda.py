@@ -4,7 +4,7 @@ The Triton kernel in paged_decode.py is the portable path. On NVIDIA GPUs (sm_80
 also have a CUDA C++ split kernel: mma.sync tensor-core fragments built straight from the stored words (no
 shared-memory re-layout of a converted tile), per-warp cp.async pipelines and PTX bit tricks. It is compiled
 at first use (cuda_build.py: nvcc or NVRTC, cached cubin, driver API launch on torch's current stream, so
-CUDA graphs capture it). Layout facts the fragments rely on (docs/KERNELS.md has the derivation):
+CUDA graphs capture it). Layout facts the fragments rely on (docs/KERNELS.md "CUDA path"):
 * score MMA  S^T = K . Q^T : K is the A operand (16 tokens x k dims), Q^T the B operand. 4-bit formats:
   int8 MMAs (m16n8k32) on the nibbles as u8 (thread (gi = lane/4, ti = lane%4) masks words 2ti, 2ti+1 of
   tokens gi, gi+8 into their even / odd nibbles) against Q rounded to int8 per row and 64-group of the
@@ -31,7 +31,7 @@ from ninfer.kvcache.formats import GROUP, KVFormat
 
 CUDA_FORMATS = (FMT_INT8, FMT_RK4, FMT_E8)  # kernel codes the split kernel has (its ND_FMT define)
 # (NW warps, CHUNK tokens per pipeline stage, NST stages, MINB) per format and head dim, the fastest
-# measured on the H200 (docs/BENCHMARKS.md "Decode: the configurations per head dim"; head dims below
+# measured on the H200 (docs/BENCHMARKS.md "Tried and rejected"; head dims below
 # 128 use the 128 entry). MINB = blocks per SM the registers must allow (ptxas's cap; 2 -> 128
 # registers). rk4v4 at D128 runs capped at 2 blocks per SM: uncapped (166 registers, 1 block) was
 # 4-6% slower. rk4v4-e8 at D128 runs 64-token chunks at one block of 8 warps (176 registers), 4-7%

@@ -215,9 +215,9 @@ _FITTED_TILES: dict[tuple, tuple[int, int]] = {}
 
 def _default_tiles(code: int, d: int) -> tuple[int, int, int]:
     """(block_m, block_n, num_warps). Chosen without a GPU from sm_90 compiles (ptxas registers and
-    spills, SASS instructions per key in the KV loop; docs/KERNELS.md "Store and prefill"), to be
-    confirmed by scripts/bench_store_prefill.py's sweep: 128 query rows (wgmma, and every K/V tile
-    dequantized once per 128 rows) for every format; BLOCK_N the largest without spills in the loop."""
+    spills, SASS instructions per key in the KV loop), not yet confirmed by a timing sweep: 128 query
+    rows (wgmma, and every K/V tile dequantized once per 128 rows) for every format; BLOCK_N the
+    largest without spills in the loop."""
     if d <= 128:
         return 128, 64, 8
     return (128, 32, 8) if code == FMT_COPY else (128, 16, 8)

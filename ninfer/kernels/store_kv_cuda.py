@@ -18,8 +18,8 @@ from ninfer.kvcache.formats import KVFormat
 THREADS = 128
 # From this many 64-groups per launch (tokens x Hkv x D/64 x 2) on, one thread per group
 # (kv_store_rows: a third of the instructions per coordinate); below it, eight lanes per group
-# (kv_store: 8x the threads, so a short chunk still fills the GPU). H200, 8 kv heads, D128
-# (scripts/store_rows_threshold.py): rows / lanes = 1.37-1.58 (rk4v4-e8) and 1.18-1.24 (rk4v4) up
+# (kv_store: 8x the threads, so a short chunk still fills the GPU). H200, 8 kv heads, D128:
+# rows / lanes = 1.37-1.58 (rk4v4-e8) and 1.18-1.24 (rk4v4) up
 # to 256 tokens, 1.01 / 0.98 at 1024 tokens (32768 groups), 0.93 / 0.90 at 2048, 0.67 / 0.62 at 16384.
 ROWS_MIN_GROUPS = 32768
 _STORE = CudaProgram("store_kv.cu", ("rtc_compat.cuh", "kv_encode.cuh"), "kv_store")

@@ -57,7 +57,7 @@ NMIN, NMAX = -8, 7
 # grid value is an fp16, and every quantity of the search (r, a, keys, S, the coset decision) is
 # exact in fp16 too, so a kernel searches two words per half2 instruction and still finds the
 # exact nearest point of the rounded z. The rounding moves z by at most 2^-9 (a lattice point is
-# ~0.3 away on average); measured SNR change: docs/BENCHMARKS.md "Store: the search in half2".
+# ~0.3 away on average; docs/ARCHITECTURE.md "The rk4v4-e8 codec (fixed format)").
 GRID = 2.0 ** -8
 
 

@@ -15,7 +15,7 @@ Public API
 * `ContextDoesNotFit(ValueError)`: `.needed_bytes`, `.available_bytes`, `.largest_context`;
   `StatesDoNotFit(ContextDoesNotFit)`: max_num_seqs recurrent states alone do not fit (`.max_num_seqs_fit`).
 * `default_cache_spec(model, kv_dtype)`: an AttentionSpec per full-attention layer (ninfer/kvcache/spec.py).
-* `device_memory(device, memory_limit_gib=None) -> DeviceMemory(total, free)`.
+* `device_memory(device, memory_limit_gib=None) -> DeviceMemory(total, free)` (from memory.py).
 * `kv_bytes_per_token(model, kv_dtype, model_dtype)`, `canonical_kv_dtype(name)`,
   `resolve_weights_dtype(name, model)`, `activation_workspace(...)`, `cuda_graph_batch_sizes(n)`,
   `default_headroom(total)`, `format_bytes(n)`.
@@ -34,20 +34,18 @@ Terms (all bytes; "context pages" = ceil(max_context / PAGE_SIZE)):
 runtime = kv + states + page_tables + workspace + graphs; a plan fits when weights + runtime + headroom
 <= free. Everything but kv and page_tables is independent of the context, so the largest context
 that fits has a closed form (see `plan_memory`). There is no RoPE table term: cos/sin are computed
-from the positions of each step (models/rope.py), inside the workspace.
+from the positions of each step (layers/rotary.py), inside the workspace.
 """
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import asdict, dataclass, replace
-from typing import Any, NamedTuple
+from typing import Any
 
 from ninfer.config import PAGE_SIZE
+from ninfer.kvcache.memory import GiB, MiB, DeviceMemory, device_memory, format_bytes  # noqa: F401
 from ninfer.model_config import ModelConfig
 
-GiB = 1 << 30
-MiB = 1 << 20
 DEFAULT_HEADROOM_BYTES = GiB          # the seed engine's automatic headroom
 GRAPH_BYTES_PER_CAPTURE = 4 * MiB     # per captured batch size: graph exec + static I/O buffers
 DECODE_MAX_SPLITS = 64                # split-KV partitions the decode kernel may use per sequence
@@ -75,18 +73,6 @@ class StatesDoNotFit(ContextDoesNotFit):
     def __init__(self, message: str, *, max_num_seqs_fit: int, **kw: Any) -> None:
         super().__init__(message, **kw)
         self.max_num_seqs_fit = max_num_seqs_fit
-
-
-class DeviceMemory(NamedTuple):
-    total: int
-    free: int
-
-
-def format_bytes(n: int | float) -> str:
-    """Two decimals, GiB from 1 GiB up, MiB below (the seed engine's startup-line convention)."""
-    sign = "-" if n < 0 else ""
-    a = abs(n)
-    return f"{sign}{a / GiB:.2f} GiB" if a >= GiB else f"{sign}{a / MiB:.2f} MiB"
 
 
 def resolve_weights_dtype(name: str | None, model: ModelConfig) -> str:
@@ -400,39 +386,3 @@ def plan_for_engine(model: ModelConfig, cfg: Any, mem: DeviceMemory, device_type
         max_num_batched_tokens=cfg.max_num_batched_tokens, weights_dtype=cfg.dtype, device_type=device_type,
         enforce_eager=cfg.enforce_eager, weights_bytes=weights_bytes, weights_resident=weights_resident,
         cache_spec=cache_spec)
-
-
-def _cpu_memory() -> DeviceMemory:
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = page * os.sysconf("SC_PHYS_PAGES")
-    free = page * os.sysconf("SC_AVPHYS_PAGES")
-    try:  # MemAvailable counts reclaimable page cache; SC_AVPHYS_PAGES does not.
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    free = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    return DeviceMemory(total, free)
-
-
-def device_memory(device: Any, memory_limit_gib: float | None = None) -> DeviceMemory:
-    """Total and free bytes of `device` ("cpu", "cuda", "cuda:N" or a torch.device). With a limit,
-    the device is treated as that large (at most its real size): on CUDA what is already in use
-    still counts against it, so the limit emulates a smaller card of the same kind."""
-    import torch
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        free, total = torch.cuda.mem_get_info(dev)
-        if memory_limit_gib is None:
-            return DeviceMemory(int(total), int(free))
-        limit = min(int(memory_limit_gib * GiB), int(total))  # never plan beyond the real card
-        return DeviceMemory(limit, max(0, min(int(free), limit - (int(total) - int(free)))))
-    if dev.type != "cpu":
-        raise ValueError(f"unsupported device {device!r}: use cpu or cuda[:N]")
-    mem = _cpu_memory()
-    if memory_limit_gib is None:
-        return mem
-    limit = min(int(memory_limit_gib * GiB), mem.total)
-    return DeviceMemory(limit, min(mem.free, limit))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import logging
 import threading
 import time
@@ -23,34 +22,14 @@ from starlette.requests import Request
 
 from ninfer.server.async_engine import (AsyncEngine, EngineDeadError, EngineNotReadyError,
                                         QueueFullError, RequestStream, StepOutput)
+from ninfer.server.errors import APIError
 from ninfer.server.metrics import RequestLog, ServerMetrics
-from ninfer.server.protocol import ChatMessage, ErrorInfo, ErrorResponse, SamplingFields
+from ninfer.server.prompts import PromptTokenizing, message_texts  # noqa: F401  (re-exported)
+from ninfer.server.protocol import SamplingFields
 
 log = logging.getLogger("ninfer.server")
 
 TOKENIZER_THREADS = 4
-# Slack on the bytes -> tokens bound, for normalizers that shrink text (NFC merges a letter and its
-# combining accent): the pre-check must never refuse a prompt that would have fit.
-_TEXT_BOUND_SLACK = 2
-
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
-                503: "ServiceUnavailableError"}
-
-
-class APIError(Exception):
-    """An error that becomes an OpenAI error envelope with HTTP status `status`."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, type: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.type = type or _ERROR_TYPES.get(status, "APIError")
-
-    def body(self) -> dict[str, Any]:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
-                                             code=self.status)).model_dump()
-
-
 @dataclass
 class ServingConfig:
     served_model_name: str
@@ -83,7 +62,7 @@ class Tracker:
     done: bool = False                        # metrics and the log event are recorded
 
 
-class OpenAIServing:
+class OpenAIServing(PromptTokenizing):
     def __init__(self, engine: AsyncEngine, config: ServingConfig, metrics: ServerMetrics,
                  request_log: RequestLog | None = None) -> None:
         self.engine = engine
@@ -99,30 +78,6 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ helpers
 
-    async def on_tokenizer(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._tok_pool, lambda: fn(*args, **kw))
-
-    @property
-    def tokenizer(self) -> Any:
-        """The calling tokenizer thread's own copy of the tokenizer."""
-        tok = getattr(self._tok_local, "tok", None)
-        if tok is None:
-            tok = self._tok_local.tok = copy.deepcopy(self.engine.tokenizer)
-        return tok
-
-    def check_text_fits(self, texts: list[str], param: str) -> None:
-        """Refuse text that is longer than the context whatever it tokenizes to, without tokenizing
-        it (a character is at least one UTF-8 byte; see async_engine.max_token_bytes)."""
-        per_token = self.engine.max_token_bytes * _TEXT_BOUND_SLACK
-        if not per_token:
-            return
-        chars = sum(len(t) for t in texts)
-        least = chars // per_token
-        if least >= self.engine.max_context:
-            raise APIError(400, f"This model's maximum context length is {self.engine.max_context} tokens. However, "
-                                f"the {param} has {chars} characters, at least {least} tokens. Please reduce the "
-                                f"length of the {param}.", param=param)
-
     def check_model(self, name: str | None) -> None:
         if self.engine.error is not None:
             raise APIError(503, f"the engine has failed ({self.engine.error!r}); the server cannot serve requests")
@@ -131,44 +86,6 @@ class OpenAIServing:
         if name is not None and name not in (self.config.served_model_name, self.config.model_path):
             raise APIError(404, f"The model `{name}` does not exist. This server serves "
                                 f"`{self.config.served_model_name}`.", param="model")
-
-    def chat_prompt_ids(self, messages: list[ChatMessage], *, add_generation_prompt: bool,
-                        continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
-                        ) -> list[int]:
-        """Runs on the tokenizer thread."""
-        tok = self.tokenizer
-        msgs = [_message_dict(m) for m in messages]
-        kwargs: dict[str, Any] = {}
-        template = getattr(tok, "chat_template", None)
-        if self.config.no_thinking and isinstance(template, str) and "enable_thinking" in template:
-            kwargs["enable_thinking"] = False
-        kwargs.update(template_kwargs or {})
-        if not template:
-            # No template shipped: a plain role-prefixed transcript, so base models still serve.
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs)
-            if add_generation_prompt:
-                text += "assistant:"
-        else:
-            try:
-                text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                               continue_final_message=continue_final_message, **kwargs)
-            except Exception as e:  # jinja errors (e.g. a role the template rejects) are the client's
-                raise APIError(400, f"chat template failed: {e}", param="messages") from e
-        return list(tok.encode(text, add_special_tokens=False))
-
-    def prompt_ids(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-        """Runs on the tokenizer thread."""
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
-        return list(prompt)    # ids: the engine checks them against the model's vocabulary
-
-    def detokenize(self, ids: list[int]) -> str:
-        """Runs on the tokenizer thread."""
-        vocab = len(self.tokenizer)
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"token ids outside the tokenizer's range [0, {vocab}): {bad[:5]}", param="tokens")
-        return self.tokenizer.decode(ids)
 
     def sampling_params(self, req: SamplingFields, prompt_len: int, max_tokens: int | None, *,
                         param: str, logprobs: int | None) -> Any:
@@ -384,30 +301,3 @@ async def wait_disconnect(raw: Request) -> None:
         message = await raw.receive()
         if message["type"] == "http.disconnect":
             return
-
-
-def message_texts(messages: list[ChatMessage]) -> list[str]:
-    """The text a chat template will carry (for the length pre-check)."""
-    out = []
-    for m in messages:
-        if isinstance(m.content, str):
-            out.append(m.content)
-        elif m.content:
-            out += [p.text for p in m.content if p.text]
-    return out
-
-
-def _message_dict(m: ChatMessage) -> dict[str, Any]:
-    from ninfer.server.agent import template_message
-    d = template_message(m.model_dump(exclude_none=True))
-    if isinstance(m.content, list):
-        texts = []
-        for part in m.content:
-            if part.type != "text" or part.text is None:
-                raise APIError(400, f"content part of type {part.type!r} is not supported (text only)",
-                               param="messages")
-            texts.append(part.text)
-        d["content"] = "".join(texts)
-    elif m.content is None:
-        d["content"] = ""
-    return d

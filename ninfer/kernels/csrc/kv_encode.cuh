@@ -1,6 +1,6 @@
 // ninfer KV store, CUDA path: the per-word 4-bit encoders and the scale arithmetic, written once
 // for the device kernel (store_kv.cu) and for a host build that the CPU tests compare with the
-// torch reference (ninfer/kvcache/e8.py, formats.py) bit for bit. Every op is a single IEEE
+// torch reference (ninfer/kvcache/e8.py, formats/) bit for bit. Every op is a single IEEE
 // round-to-nearest float32 operation in the reference's order: no contraction (explicit _rn
 // intrinsics on the device, -ffp-contract=off on the host), rint = round half to even.
 #pragma once
@@ -41,7 +41,7 @@ KV_HD float ffma(float a, float b, float c) {
 
 // rint (round half to even) and the offset-binary nibble f + 8 of an integer f in [-8, 7]. Float-add
 // forms of both (1.5 * 2^23 tricks, off the conversion pipe) measured slower on the H200
-// (docs/KERNELS.md, "Store, CUDA").
+// (docs/KERNELS.md "KV store").
 KV_HD float round_even(float x) { return rintf(x); }
 KV_HD uint32_t nibble_of(float f) { return (uint32_t)((int)f + 8); }
 

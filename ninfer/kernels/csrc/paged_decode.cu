@@ -6,7 +6,7 @@ namespace nd {
 // The warps' partial outputs in shared memory, o_s [NW][8][part_stride]: padded rows. 4-bit (rows 2ti,
 // 2ti + 1, dims 16 mt + gi): by 4 floats, so the 4 rows a warp's lanes store to sit in different banks.
 // int8 (dims 64 g + 8 gi + 2 qq): by 1, which makes its stores 2-way conflicted; by 4 they were 8-way
-// (int8's epilogue 4.0 -> 2.2 us at D256, 128K: decode_timeline.py, H200, 2026-11-30).
+// (int8's epilogue 4.0 -> 2.2 us at D256, 128K: H200, 2026-11-30).
 template <int D, bool ROT>
 constexpr int part_stride = ROT ? D + 4 : D + 1;
 
@@ -15,7 +15,7 @@ constexpr int part_stride = ROT ? D + 4 : D + 1;
 // of the group) * num_splits + split. Row r's warp weights are 2^(m_w - max) / den. Rotated formats are
 // rotated back here, per split (the merge is linear): a warp per (row, 64-group) merges the warps'
 // partials of dims lane, lane + 32 and applies R = S.H64.S / 8 with shuffles, with no pass through
-// shared memory and no barrier in between (the D256 epilogue took 2.4 us before: decode_timeline.py).
+// shared memory and no barrier in between (the D256 epilogue took 2.4 us before).
 template <int D, int NW, bool ROT>
 __device__ __noinline__ void write_split(const float* o_s, const float* m_s, const float* l_s,
                                          float* __restrict__ mid_o, float* __restrict__ mid_lse, int64_t base,
@@ -99,12 +99,11 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
   constexpr int SB = G * 2;                   // scale bytes per token
   // Stage rows (K and V alike): byte of 16-byte piece c of token t. int8: pieces XOR-swizzled. 4-bit:
   // every 32-byte sector a copy writes stays whole and aligned in shared memory (swizzled 16-byte pieces
-  // or 80-byte padded rows made the copies themselves 8-15% slower at D128: H200, docs/BENCHMARKS.md
-  // "Decode: the stages' layout"). D128 rows are linear: their reads' bank conflicts (K: 4 passes where
-  // 2 would do, V: 4 where 1 would) cost less than the addressing of a conflict-free layout (1.6-3.5%
-  // slower at 128K-512K, H200, docs/BENCHMARKS.md). D256 (SW): a row's four 32-byte pieces XOR
-  // (t >> 1) & 3, so the K reads (piece p of tokens t..t+7) and the V reads (tokens {0, 2, 4, 6} + c)
-  // meet no bank conflict.
+  // or 80-byte padded rows made the copies themselves 8-15% slower at D128: H200). D128 rows are
+  // linear: their reads' bank conflicts (K: 4 passes where 2 would do, V: 4 where 1 would) cost less
+  // than the addressing of a conflict-free layout (1.6-3.5% slower at 128K-512K, H200). D256 (SW): a
+  // row's four 32-byte pieces XOR (t >> 1) & 3, so the K reads (piece p of tokens t..t+7) and the V
+  // reads (tokens {0, 2, 4, 6} + c) meet no bank conflict.
   constexpr bool SW = FMT != 1 && D == 256;
   auto k_at = [](int t, int c) -> int {
     if (FMT == 1) return t * RB + ((c ^ (t & (NCH - 1))) << 4);
@@ -117,7 +116,7 @@ __device__ __forceinline__ void decode_split_body(const QT* __restrict__ q, cons
   constexpr int KSTEPS = D / 16;  // k-steps of the score MMA; also m-tiles of the output MMA
 
   // 128-byte aligned: the stages' base sits after the static arrays below, and a base 16 bytes off
-  // (16 more bytes of static smem) made every format 9-17% slower (H200, docs/KERNELS.md).
+  // (16 more bytes of static smem) made every format 9-17% slower (H200).
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ float q_s[8][ROT ? 1 : D];  // int8: Q in fp32
   __shared__ float m_s[NW][8];

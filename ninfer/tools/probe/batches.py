@@ -1,6 +1,6 @@
 """Training batches assembled from pre-tokenized parts, so data keeps up with a GPU step.
 
-`data.make_haystack` tokenizes text as it goes (35-41 ms per 8K-token batch; docs/BENCHMARKS.md); here the
+`data.make_haystack` tokenizes text as it goes (35-41 ms per 8K-token batch); here the
 same documents are built from ids: a bank of pre-tokenized filler sentences and per-key token
 templates for needles, questions and answers (the value's " is NN" / "NN" tokens are spliced
 in). `TokenBank` checks every template against tokenizing the full text, so a batch is exactly

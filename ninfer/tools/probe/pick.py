@@ -2,9 +2,9 @@
 
     python -m ninfer.tools.probe.pick --out DIR --report FILE RUN_DIR [RUN_DIR ...]
 
-Used as a hedge: several train.py processes share the one GPU (scripts/gpu_session.sh probe),
-differing in seed or one setting, and whether key matching forms within the budget varies from
-run to run (docs/BENCHMARKS.md, run 4: one of four settings did), so the best measured one ships.
+Used as a hedge: several train.py processes share the one GPU, differing in seed or one setting,
+and whether key matching forms within the budget varies from run to run (in one set of four runs,
+one setting's did), so the best measured one ships.
 
 Each RUN_DIR holds `probe/` (an HF dir) and `probe_train.json` (train.py's report). The score is
 the mean exact retrieval over every evaluated length (mean margin breaks ties). If the run's

@@ -12,7 +12,7 @@ Recipe (why each piece is there):
 * Match phase: short documents (--min-len) with 2-4 needles and about half filler, many small
   steps, plain positions, clean K/V, until the training answers are --match-exact right (or
   --hold of the run has passed). Key matching forms there: CPU runs formed it with 2-4 needles
-  and filler, not with needle-dense documents (docs/BENCHMARKS.md, Probe model).
+  and filler, not with needle-dense documents (docs/BENCHMARKS.md "Probe model").
 * Then a length curriculum to --max-len over --grow of the remaining time, each batch's length
   log-uniform up to the cap; up to --max-needles needles per document.
 * Position gaps (after the match phase): with probability 1/2 a document's positions jump at a
@@ -45,8 +45,8 @@ from .batches import TokenBank
 from .evaluate import evaluate
 from .tokenizer import VOCAB_SIZE, build_tokenizer, special_ids, wrap
 
-# 6 Q heads per KV head, head_dim 256 (the shape). "narrow": 6 Q / 1 KV; "full": 12 Q /
-# 2 KV; "deep": 6 layers.
+# 6 Q heads per KV head, head_dim 256 (the geometry the probe exists to exercise). "narrow": 6 Q /
+# 1 KV; "full": 12 Q / 2 KV; "deep": 6 layers.
 FULL = dict(hidden_size=384, num_hidden_layers=4, num_attention_heads=12, num_key_value_heads=2,
             head_dim=256, intermediate_size=512)
 NARROW = dict(hidden_size=384, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=1,
