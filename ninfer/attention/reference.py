@@ -25,7 +25,7 @@ _MAX_CACHE_BYTES = 1 << 30
 
 
 class _DecodedPages:
-    """One layer's decoded float32 K/V pages [rows, Hkv, page_size, D], indexed by page id through
+    """One layer's decoded float32 K/V pages [Hkv, rows, page_size, D], indexed by page id through
     `row_of`; `fresh[page]` is False once `store` writes into the page and until it is decoded again."""
 
     def __init__(self, num_pages: int, max_rows: int) -> None:
@@ -111,36 +111,39 @@ class ReferenceAttentionBackend(BaseAttentionBackend):
             return self.gather(layer, "k", pages, seq_len), self.gather(layer, "v", pages, seq_len)
         cache = self._layer_cache(layer)
         pages_cpu = pages.cpu()
-        uniq = torch.unique(pages_cpu)
+        # pages in block-table order, so a sequence's pages get consecutive rows and read as a view
+        uniq = torch.tensor(list(dict.fromkeys(pages_cpu.tolist())), dtype=torch.long)
         if not cache.assign(uniq):
             return self.gather(layer, "k", pages, seq_len), self.gather(layer, "v", pages, seq_len)
         stale = uniq[~cache.fresh[uniq]]
         planes = self.pool.layers[layer]
-        if cache.k is None or cache.k.shape[0] < cache.rows:
+        if cache.k is None or cache.k.shape[1] < cache.rows:
             # grow by doubling up to the bound; rows already decoded are kept
-            n = min(cache.max_rows, max(cache.rows, 2 * (0 if cache.k is None else cache.k.shape[0]), 64))
-            shape = (n, *planes["k"].shape[1:3], self.pool.head_dim)
+            n = min(cache.max_rows, max(cache.rows, 2 * (0 if cache.k is None else cache.k.shape[1]), 64))
+            hkv, ps = planes["k"].shape[1:3]
             for name in ("k", "v"):
-                grown = torch.empty(shape, dtype=torch.float32, device=pages.device)
+                grown = torch.empty((hkv, n, ps, self.pool.head_dim), dtype=torch.float32, device=pages.device)
                 old = getattr(cache, name)
                 if old is not None:
-                    grown[:old.shape[0]] = old
+                    grown[:, :old.shape[1]] = old
                 setattr(cache, name, grown)
         if stale.numel():
             rows = cache.row_of[stale].to(pages.device)
             idx = stale.to(pages.device)
             for name in ("k", "v"):
                 sc = planes.get(f"{name}_scale")
-                getattr(cache, name)[rows] = self.fmt.decode(planes[name][idx], None if sc is None else sc[idx],
-                                                             rotated=False, dtype=torch.float32)
+                x = self.fmt.decode(planes[name][idx], None if sc is None else sc[idx], rotated=False,
+                                    dtype=torch.float32)  # [n, Hkv, page_size, D]
+                getattr(cache, name)[:, rows] = x.transpose(0, 1)
             cache.fresh[stale] = True
-        rows = cache.row_of[pages_cpu].to(pages.device)
-
-        def tokens(x: torch.Tensor) -> torch.Tensor:
-            x = x[rows]  # [P, Hkv, page_size, D]
-            return x.permute(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[-1])[:, :seq_len]
-
-        return tokens(cache.k), tokens(cache.v)
+        rows = cache.row_of[pages_cpu]
+        r0, n = int(rows[0]), rows.numel()
+        if bool((rows == torch.arange(r0, r0 + n)).all()):
+            take = lambda x: x[:, r0:r0 + n]  # noqa: E731 - a view, no copy
+        else:
+            rows = rows.to(pages.device)
+            take = lambda x: x[:, rows]  # noqa: E731
+        return tuple(take(x).reshape(x.shape[0], -1, x.shape[-1])[:, :seq_len] for x in (cache.k, cache.v))
 
     def plan(self, meta: StepMetadata) -> tuple[list[int], list[int]]:
         """Host copies of the query starts and sequence lengths, once per step."""
