@@ -1,6 +1,11 @@
 """Torch attention over the paged KV pool: the CPU path and the oracle the GPU kernels are tested
 against. Deliberately plain: store through `fmt.encode`, read back through `fmt.decode`, attend in
-float32. What is attended is exactly what was stored, so quantized formats are measured honestly."""
+float32. What is attended is exactly what was stored, so quantized formats are measured honestly.
+
+Decoding every cached page at every step and layer dominated CPU decode, so decoded pages are kept
+(`_DecodedPages`): a slot is only ever rewritten through `store`, which marks its page stale, so a
+kept page equals a fresh decode of what is stored (pages freed, reused by another sequence, or
+re-filled after preemption are all rewritten through `store` first)."""
 from __future__ import annotations
 
 from typing import Any
@@ -15,13 +20,49 @@ from ninfer.attention.base import BaseAttentionBackend, StepMetadata
 _MAX_SCORE_ELEMS = 1 << 25
 
 
+# Bound on the decoded-page cache over all layers (float32 K and V); past it the cache restarts.
+_MAX_CACHE_BYTES = 1 << 30
+
+
+class _DecodedPages:
+    """One layer's decoded float32 K/V pages [Hkv, rows, page_size, D], indexed by page id through
+    `row_of`; `fresh[page]` is False once `store` writes into the page and until it is decoded again."""
+
+    def __init__(self, num_pages: int, max_rows: int) -> None:
+        self.row_of = torch.full((num_pages,), -1, dtype=torch.long)
+        self.fresh = torch.zeros(num_pages, dtype=torch.bool)
+        self.max_rows = max_rows
+        self.rows = 0
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def clear(self) -> None:
+        self.row_of.fill_(-1)
+        self.fresh.fill_(False)
+        self.rows = 0
+
+    def assign(self, pages: torch.Tensor) -> bool:
+        """Give rows to the (unique) pages that have none; False if the cache cannot hold them."""
+        new = pages[self.row_of[pages] < 0]
+        if self.rows + new.numel() > self.max_rows:
+            self.clear()
+            new = pages
+            if new.numel() > self.max_rows:
+                return False
+        self.row_of[new] = torch.arange(self.rows, self.rows + new.numel())
+        self.rows += new.numel()
+        return True
+
+
 class ReferenceAttentionBackend(BaseAttentionBackend):
     name = "reference"
+    cache_pages = True  # False: decode every page at every step (the plain oracle)
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
         self.fmt = pool.fmt
         self.page_size = int(pool.page_size)
+        self._decoded: dict[int, _DecodedPages] = {}
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Encode k/v [T, Hkv, D] and scatter them to their slots (slot -1 = do not store)."""
@@ -37,6 +78,9 @@ class ReferenceAttentionBackend(BaseAttentionBackend):
             planes[name][page, :, off] = data.to(planes[name].dtype)
             if scale is not None:
                 planes[f"{name}_scale"][page, :, off] = scale.to(planes[f"{name}_scale"].dtype)
+        cache = self._decoded.get(layer)
+        if cache is not None:
+            cache.fresh[page.cpu()] = False
 
     def gather(self, layer: int, name: str, pages: torch.Tensor, seq_len: int) -> torch.Tensor:
         """Decoded values [Hkv, seq_len, D] float32 of one sequence, un-rotated."""
@@ -49,6 +93,57 @@ class ReferenceAttentionBackend(BaseAttentionBackend):
         scale = planes.get(f"{name}_scale")
         return self.fmt.decode(tokens(planes[name]), None if scale is None else tokens(scale),
                                rotated=False, dtype=torch.float32)
+
+    def _layer_cache(self, layer: int) -> _DecodedPages:
+        cache = self._decoded.get(layer)
+        if cache is None:
+            k = self.pool.layers[layer]["k"]
+            _, hkv, ps, _ = k.shape
+            row_bytes = 2 * hkv * ps * self.pool.head_dim * 4 * len(self.pool.layers)
+            cache = _DecodedPages(k.shape[0], max(1, min(k.shape[0], _MAX_CACHE_BYTES // row_bytes)))
+            self._decoded[layer] = cache
+        return cache
+
+    def gather_kv(self, layer: int, pages: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded K and V [Hkv, seq_len, D] float32 of one sequence, equal to `gather`'s: only the
+        pages written since they were last decoded are decoded again."""
+        if not self.cache_pages:
+            return self.gather(layer, "k", pages, seq_len), self.gather(layer, "v", pages, seq_len)
+        cache = self._layer_cache(layer)
+        pages_cpu = pages.cpu()
+        # pages in block-table order, so a sequence's pages get consecutive rows and read as a view
+        uniq = torch.tensor(list(dict.fromkeys(pages_cpu.tolist())), dtype=torch.long)
+        if not cache.assign(uniq):
+            return self.gather(layer, "k", pages, seq_len), self.gather(layer, "v", pages, seq_len)
+        stale = uniq[~cache.fresh[uniq]]
+        planes = self.pool.layers[layer]
+        if cache.k is None or cache.k.shape[1] < cache.rows:
+            # grow by doubling up to the bound; rows already decoded are kept
+            n = min(cache.max_rows, max(cache.rows, 2 * (0 if cache.k is None else cache.k.shape[1]), 64))
+            hkv, ps = planes["k"].shape[1:3]
+            for name in ("k", "v"):
+                grown = torch.empty((hkv, n, ps, self.pool.head_dim), dtype=torch.float32, device=pages.device)
+                old = getattr(cache, name)
+                if old is not None:
+                    grown[:, :old.shape[1]] = old
+                setattr(cache, name, grown)
+        if stale.numel():
+            rows = cache.row_of[stale].to(pages.device)
+            idx = stale.to(pages.device)
+            for name in ("k", "v"):
+                sc = planes.get(f"{name}_scale")
+                x = self.fmt.decode(planes[name][idx], None if sc is None else sc[idx], rotated=False,
+                                    dtype=torch.float32)  # [n, Hkv, page_size, D]
+                getattr(cache, name)[:, rows] = x.transpose(0, 1)
+            cache.fresh[stale] = True
+        rows = cache.row_of[pages_cpu]
+        r0, n = int(rows[0]), rows.numel()
+        if bool((rows == torch.arange(r0, r0 + n)).all()):
+            take = lambda x: x[:, r0:r0 + n]  # noqa: E731 - a view, no copy
+        else:
+            rows = rows.to(pages.device)
+            take = lambda x: x[:, rows]  # noqa: E731
+        return tuple(take(x).reshape(x.shape[0], -1, x.shape[-1])[:, :seq_len] for x in (cache.k, cache.v))
 
     def plan(self, meta: StepMetadata) -> tuple[list[int], list[int]]:
         """Host copies of the query starts and sequence lengths, once per step."""
@@ -83,8 +178,7 @@ class ReferenceAttentionBackend(BaseAttentionBackend):
             pages = meta.block_tables[b, :n_pages].to(torch.long)
             if bool((pages < 0).any()):
                 raise ValueError(f"sequence {b}: block table has no page for some of its {seq_len} tokens")
-            kb = self.gather(layer, "k", pages, seq_len)  # [Hkv, L, D]
-            vb = self.gather(layer, "v", pages, seq_len)
+            kb, vb = self.gather_kv(layer, pages, seq_len)  # [Hkv, L, D]
             # GQA: query head h reads KV head h // group; view q as [Hkv, group, q_len, D]
             qb = q[q0:q1].to(torch.float32).permute(1, 0, 2).reshape(hkv, group, q_len, d)
             # query i sits at absolute position seq_len - q_len + i and sees keys 0..that position
