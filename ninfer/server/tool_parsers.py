@@ -12,6 +12,8 @@ The grammars come from xgrammar's model formats ("qwen_3", "qwen_3_5" and "llama
 exactly what these parsers read, so a constrained call always parses."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import json
 import re
 from dataclasses import dataclass
@@ -40,16 +42,16 @@ def _call_from_json(obj: Any, args_keys: tuple[str, ...]) -> ParsedCall | None:
     return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-class ToolCallStream:
+class ToolCallStream(ABC):
     """Incremental parse: feed() new text, get (content delta, calls completed by it); flush() at
     the end. Trailing whitespace is held until real text follows, so the blanks around calls do
     not become content."""
 
-    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
-        raise NotImplementedError
+    @abstractmethod
+    def feed(self, text: str) -> tuple[str, list[ParsedCall]]: ...
 
-    def flush(self) -> tuple[str, list[ParsedCall]]:
-        raise NotImplementedError
+    @abstractmethod
+    def flush(self) -> tuple[str, list[ParsedCall]]: ...
 
 
 class _TaggedStream(ToolCallStream):
