@@ -237,3 +237,24 @@ def test_budget_follows_step_time() -> None:
         assert all(0.15 <= t <= 0.26 for t in times[-6:]), (start, times)
     sched.set_target_step_time(None)
     assert sched.token_budget == 100_000
+
+
+def test_steps_with_decodes_stay_small() -> None:
+    """With a 32K budget a lone long prompt prefills in 32K chunks, but once another request
+    decodes, each step holds at most MIXED_STEP_TOKENS tokens (decodes included)."""
+    from ninfer.engine.scheduler import MIXED_STEP_TOKENS
+    bm = BlockManager(4000, PAGE, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=32768)
+    sched.add(make_request("short", list(range(100)), 50))
+    sched.add(make_request("long", list(range(100_000)), 1))
+    seen_alone, seen_mixed = [], []
+    for _ in range(12):
+        batch = sched.schedule()
+        decodes = sum(1 for n in batch.num_new_tokens if n == 1)
+        (seen_mixed if decodes else seen_alone).append(batch.total_tokens)
+        sched.after_step(batch)
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            if req.num_computed_tokens == req.num_tokens:
+                req.append_token(0, None)  # a sampled token: the request decodes next step
+    assert seen_alone and seen_alone[0] == 32768
+    assert seen_mixed and max(seen_mixed) == MIXED_STEP_TOKENS

@@ -10,6 +10,10 @@ arriving during a long one gets its first token next step), except that the olde
 keeps half the prefill budget, so a stream of short prompts cannot starve a long one; equal long
 prompts run first come, first served.
 
+A step that carries decodes spends at most MIXED_STEP_TOKENS, so running streams keep their
+inter-token latency while a long prompt prefills; a step with no decode may use the whole budget
+(larger chunks prefill a lone long prompt faster: fewer, fuller matmuls and attention calls).
+
 `token_budget` is fixed at `max_num_batched_tokens` unless a target step time is set
 (`set_target_step_time`, the server does it on CPU): then it follows the measured step time, so a
 long prompt is cut into steps of about that length and a newcomer or an abort waits at most one of
@@ -33,6 +37,7 @@ from ninfer.kvcache.block_manager import BlockManager
 
 
 MIN_PREFILL_TOKENS = 16      # a prefill advances at least this much per step, whatever the timing
+MIXED_STEP_TOKENS = 8192     # most new tokens in a step that also decodes
 
 
 class Scheduler:
@@ -146,6 +151,8 @@ class Scheduler:
                 i += 1
                 continue
             break  # req itself was preempted: it was the last running request
+        if reqs:
+            cap = min(cap, max(MIXED_STEP_TOKENS, len(reqs) + MIN_PREFILL_TOKENS))
         budget = min(cap - len(reqs), max(self.token_budget - len(reqs), MIN_PREFILL_TOKENS))
         wants = [r.num_tokens - r.num_computed_tokens for r in prefills]
         if not preempted:
