@@ -1,0 +1,131 @@
+"""NVFP4 weight-only linear for compressed-tensors ``nvfp4-pack-quantized`` checkpoints:
+``weight_packed[N, K/2]`` uint8 holds two e2m1 codes per byte (LOW nibble = even column; bit 3 =
+sign, magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6), ``weight_scale[N, K/16]`` float8_e4m3fn per 16 columns,
+``weight_global_scale`` a float32 scalar: ``w = e2m1 * float(weight_scale) / weight_global_scale``.
+
+Hopper has no FP4 tensor cores, so the weight is dequantized in registers and multiplied on the
+16-bit MMA. ``e2m1 * scale`` is exact in bf16 and fp16 (2 x 4 significant bits, magnitudes 2^-10 ..
+2688), so the only roundings are the MMA's fp32 accumulation and the output; the global scale
+divides the fp32 accumulator once. Up to 16 rows (decode) one 16-row tile per program and K split
+over programs, so a decode-sized grid keeps every SM reading the packed bytes; larger M runs
+128-row tiles, each dequantized weight tile reused by all of them.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ninfer.kernels.qgemm_common import DECODE_M, check_common, check_device, interpreting, reduce_splits, split_k
+
+GROUP = 16  # columns per weight_scale
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+@triton.jit
+def _nvfp4_kernel(x_ptr, sxm, w_ptr, swn, s_ptr, ssn, gs_ptr, bias_ptr, o_ptr, M, N, K, KB_PER_SPLIT,
+                  HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """out (DIRECT) or the fp32 split-K partial [split, M, N] of x @ dequant(w)^T over this split's
+    K blocks. Each packed byte is loaded for both of its columns (the second load hits L1)."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mm = rm < M
+    mn = rn < N
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * sxm
+    w_cols = w_ptr + rn.to(tl.int64)[None, :] * swn
+    s_cols = s_ptr + rn.to(tl.int64)[None, :] * ssn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    kb0 = pid_s * KB_PER_SPLIT
+    kb1 = tl.minimum(kb0 + KB_PER_SPLIT, tl.cdiv(K, BLOCK_K))
+    for kb in range(kb0, kb1):
+        k = kb * BLOCK_K + rk
+        mk = k < K
+        mw = mk[:, None] & mn[None, :]
+        x = tl.load(x_rows + k[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
+        byte = tl.load(w_cols + (k // 2)[:, None], mask=mw, other=0).to(tl.uint16)
+        code = (byte >> ((k % 2) * 4).to(tl.uint16)[:, None]) & 0xF
+        # e2m1 s.ee.m -> fp16 s.000ee.m000000000: exponent bias 15 vs 1, so x 2^14 gives the value
+        # (code 1 lands on the fp16 subnormal 2^-15 -> 0.5)
+        mag = (((code & 8) << 12) | ((code & 7) << 9)).to(tl.float16, bitcast=True)
+        sc = tl.load(s_cols + (k // 16)[:, None], mask=mw, other=0.0).to(tl.float32)
+        w = (mag.to(tl.float32) * 16384.0 * sc).to(DT)
+        if INTERPRET:  # the interpreter's 16-bit dot works on raw bit patterns: same values in fp32
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32))
+        else:
+            acc += tl.dot(x, w)
+    acc = acc / tl.load(gs_ptr)
+    mo = mm[:, None] & mn[None, :]
+    if DIRECT:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=mn, other=0.0).to(tl.float32)[None, :]
+        tl.store(o_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc.to(DT), mask=mo)
+    else:
+        tl.store(o_ptr + (pid_s * M + rm.to(tl.int64))[:, None] * N + rn[None, :], acc, mask=mo)
+
+
+def _check(x, packed, scale, gs, bias):
+    op = "nvfp4_linear"
+    if packed.dtype != torch.uint8 or packed.dim() != 2:
+        raise ValueError(f"{op}: weight_packed must be a 2-D uint8 [N, K/2], got {packed.dtype} {list(packed.shape)}")
+    n, k = packed.shape[0], packed.shape[1] * 2
+    want = (n, triton.cdiv(k, GROUP))
+    if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != want:
+        raise ValueError(f"{op}: weight_scale must be float8_e4m3fn {list(want)} for weight_packed "
+                         f"{list(packed.shape)}, got {scale.dtype} {list(scale.shape)}")
+    if gs.numel() != 1 or gs.dtype != torch.float32:
+        raise ValueError(f"{op}: weight_global_scale must be a float32 scalar, got {gs.dtype} {list(gs.shape)}")
+    x2 = check_common(op, x, n, k, bias)
+    check_device(op, x, packed, scale, gs)
+    return x2, packed.contiguous(), scale.contiguous(), gs.reshape(1)
+
+
+def nvfp4_linear(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                 weight_global_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] bf16/fp16 @ dequant(weight)^T (+ bias) -> [..., N] in x's dtype."""
+    x2, packed, scale, gs = _check(x, weight_packed, weight_scale, weight_global_scale, bias)
+    m, k = x2.shape
+    n = packed.shape[0]
+    if m == 0:
+        return x.new_empty((*x.shape[:-1], n))
+    if m <= DECODE_M:
+        bm, bn, bk, warps = 16, 64, 128, 4
+        split, per = split_k(x2.device, triton.cdiv(n, bn), triton.cdiv(k, bk))
+    else:
+        bm, bn, bk, warps = (128, 128, 64, 8) if m > 64 else (64, 128, 64, 4)
+        split, per = 1, triton.cdiv(k, bk)
+    direct = split == 1
+    out = torch.empty((m, n) if direct else (split, m, n), dtype=x.dtype if direct else torch.float32,
+                      device=x2.device)
+    _nvfp4_kernel[(triton.cdiv(n, bn), split, triton.cdiv(m, bm))](
+        x2, x2.stride(0), packed, packed.stride(0), scale, scale.stride(0), gs, bias if bias is not None else out,
+        out, m, n, k, per, HAS_BIAS=bias is not None, DIRECT=direct, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        INTERPRET=interpreting(), num_warps=warps, num_stages=3)
+    if not direct:
+        out = reduce_splits(out, bias, (m, n), x.dtype)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def unpack_e2m1_ref(packed: torch.Tensor, dtype=torch.float64) -> torch.Tensor:
+    """[N, K/2] uint8 -> [N, K] e2m1 values: low nibble first, bit 3 the sign."""
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1).long()
+    mag = torch.tensor(E2M1, dtype=dtype, device=packed.device)[codes & 7]
+    return torch.where(codes >= 8, -mag, mag)
+
+
+def dequantize_ref(packed, scale, global_scale, dtype=torch.float64) -> torch.Tensor:
+    """w = e2m1 * float(weight_scale) / weight_global_scale, in ``dtype``."""
+    vals = unpack_e2m1_ref(packed, dtype)
+    s = scale.to(dtype).repeat_interleave(GROUP, 1)[:, :vals.shape[1]]
+    return vals * s / global_scale.to(dtype).reshape(())
+
+
+def nvfp4_linear_ref(x, weight_packed, weight_scale, weight_global_scale, bias=None) -> torch.Tensor:
+    """float64 x @ dequant(weight)^T + bias."""
+    y = x.to(torch.float64) @ dequantize_ref(weight_packed, weight_scale, weight_global_scale).t()
+    return y + bias.to(torch.float64) if bias is not None else y

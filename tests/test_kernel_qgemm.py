@@ -1,0 +1,180 @@
+"""Quantized-weight GEMMs (ninfer/kernels/fp8_gemm.py, nvfp4_gemm.py) against float64 references.
+
+Interpreter: every kernel check runs in one child process with ``TRITON_INTERPRET=1``
+(tests/triton_interp.py says why and how).
+
+Bound, per output element: |y - ref| <= 2^-7 |ref| + 2^-14 (|x| @ |w|^T), ref the float64 product
+of what the checkpoint means (``*_ref`` beside each kernel). The first term is the output rounding
+(bf16/fp16; the interpreter truncates instead of rounding, hence a full ulp); the second covers
+the fp32 accumulation and split-K sums. A case reports the worst ratio error / bound (<= 1 passes).
+Weight dequantization is exact in the 16-bit MMA operand (e4m3, and e2m1 x e4m3), so a wrong
+scale index, a wrong nibble order or a wrong K offset moves outputs by O(|x| @ |w| / sqrt(K)),
+hundreds of times the second term: negative controls run the same check on a swapped nibble
+order (kernel) and on a scale block index off by one (reference) and must exceed the bound.
+W8A8 (prefill) is checked against the float64 product of the quantized activations it used,
+whose quantization must equal torch's own e4m3 cast bit for bit, and within 6% (Frobenius) of
+the unquantized product. NVFP4 weights come from compressed-tensors' own compressor (NVFP4A16
+scheme), and its decompressor and unpacker must agree with our reference dequantization.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.triton_interp import case_result, child_main, module_results  # noqa: E402
+
+# (name, kind, dtype, m, n, k, impl, bias, seed)
+CASES = []
+for _m, _n, _k, _s in ((1, 256, 512, 0), (3, 200, 300, 1), (16, 256, 384, 2), (64, 256, 384, 3), (17, 130, 200, 4)):
+    CASES.append((f"fp8-m{_m}-n{_n}-k{_k}", "fp8", "bfloat16", _m, _n, _k, None, _s % 2 == 0, _s))
+CASES += [("fp8-fp16-m3", "fp8", "float16", 3, 256, 256, None, True, 5),
+          ("fp8-fp16-m64", "fp8", "float16", 64, 128, 256, None, False, 6),
+          ("fp8-weight-only-m64", "fp8", "bfloat16", 64, 200, 384, "weight_only", True, 7),
+          ("fp8-w8a8-m3", "fp8", "bfloat16", 3, 256, 256, "triton", False, 8)]
+for _m, _n, _k, _s in ((1, 256, 512, 10), (3, 200, 96, 11), (16, 256, 384, 12), (64, 128, 256, 13), (70, 64, 128, 14)):
+    CASES.append((f"nvfp4-m{_m}-n{_n}-k{_k}", "nvfp4", "bfloat16", _m, _n, _k, None, _s % 2 == 0, _s))
+CASES += [("nvfp4-fp16-m16", "nvfp4", "float16", 16, 128, 256, None, True, 15),
+          ("nvfp4-ragged-k-m3", "nvfp4", "bfloat16", 3, 72, 200, "random", False, 16),
+          ("nvfp4-ragged-k-m64", "nvfp4", "bfloat16", 64, 72, 200, "random", True, 17)]
+
+
+def _ratio(y, ref, x, w):
+    import torch
+    bound = 2.0 ** -7 * ref.abs() + 2.0 ** -14 * (x.double().abs() @ w.abs().t()) + 1e-30
+    return float(((y.double() - ref).abs() / bound).max())
+
+
+def _ct_nvfp4(w):
+    """compressed-tensors' NVFP4A16 compression of w [N, K]; its decompressed weight."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import NVFP4A16
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+    args = NVFP4A16["weights"]
+    n, k = w.shape
+    gs = generate_gparam(w.amin(), w.amax())
+    grp = w.view(n, k // 16, 16)
+    scale, _ = calculate_qparams(grp.amin(-1), grp.amax(-1), args, global_scale=gs)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    sd = NVFP4PackedCompressor.compress({"weight": w, "weight_scale": scale, "weight_global_scale": gs}, scheme)
+    dq = NVFP4PackedCompressor.decompress(dict(sd), scheme)["weight"]
+    return sd["weight_packed"], sd["weight_scale"], sd["weight_global_scale"], dq
+
+
+def _fp8_case(name, dtype, m, n, k, impl, bias, gen):
+    import torch
+    import triton
+    from ninfer.kernels import fp8_gemm as F
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * 64).to(torch.float8_e4m3fn)
+    s = torch.rand(triton.cdiv(n, 128), triton.cdiv(k, 128), generator=gen) * 1e-2 + 1e-3
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    y = F.fp8_block_linear(x, w, s, b, impl=impl)
+    wd = F.dequantize_ref(w, s)
+    used = impl or ("weight_only" if m <= 16 else "triton")
+    res = {"name": name, "shape_ok": list(y.shape) == [m, n] and y.dtype == dtype, "impl": used}
+    if used == "weight_only":
+        ref = F.fp8_block_linear_ref(x, w, s, b)
+        res["ratio"] = _ratio(y, ref, x, wd)
+        # negative control: the scale of the next K block (a K-block index off by one)
+        s_off = torch.roll(s, 1, dims=1) if s.shape[1] > 1 else torch.roll(s, 1, dims=0)
+        res["ratio_wrong_scale"] = _ratio(F.fp8_block_linear_ref(x, w, s_off, b), ref, x, wd)
+    else:
+        q, qs = F.quantize_act(x)
+        rq, rqs = F.quantize_act_ref(x)
+        res["quant_exact"] = bool(torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(qs, rqs))
+        xq = q.double() * qs.double().repeat_interleave(128, 1)[:, :k]
+        ref = xq @ wd.t() + (b.double() if b is not None else 0)
+        res["ratio"] = _ratio(y, ref, xq, wd)
+        exact = F.fp8_block_linear_ref(x, w, s, b)
+        res["rel_vs_unquantized"] = float((y.double() - exact).norm() / exact.norm())
+    return res
+
+
+def _nvfp4_case(name, dtype, m, n, k, kind, bias, gen):
+    import torch
+    from ninfer.kernels import nvfp4_gemm as F
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    res = {"name": name}
+    if kind == "random":  # K not a multiple of 16: the last scale group is partial
+        p = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+        sc = (torch.rand(n, -(-k // 16), generator=gen) * 300 + 1).to(torch.float8_e4m3fn)
+        gs = torch.tensor([700.0])
+    else:
+        w = (torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)).to(torch.bfloat16)
+        p, sc, gs, dq = _ct_nvfp4(w)
+        from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+        ours = F.dequantize_ref(p, sc, gs)
+        res["ct_unpack_exact"] = bool(torch.equal(unpack_fp4_from_uint8(p, n, k, torch.float32).double(),
+                                                  F.unpack_e2m1_ref(p)))
+        res["ct_decompress_rel"] = float(((dq.double() - ours).abs() / (ours.abs() + 1e-30)).max())
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    y = F.nvfp4_linear(x, p, sc, gs, b)
+    wd = F.dequantize_ref(p, sc, gs)
+    ref = F.nvfp4_linear_ref(x, p, sc, gs, b)
+    res["shape_ok"] = list(y.shape) == [m, n] and y.dtype == dtype
+    res["ratio"] = _ratio(y, ref, x, wd)
+    swapped = ((p & 0xF) << 4) | (p >> 4)
+    res["ratio_swapped_nibbles"] = _ratio(F.nvfp4_linear(x, swapped, sc, gs, b), ref, x, wd)
+    return res
+
+
+def run_case(name, kind, dtype, m, n, k, impl, bias, seed):
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, dtype)
+    if kind == "fp8":
+        return _fp8_case(name, dt, m, n, k, impl, bias, gen)
+    return _nvfp4_case(name, dt, m, n, k, impl, bias, gen)
+
+
+results = module_results(__file__)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_qgemm_case(results, case):
+    r = case_result(results, case[0])
+    assert r["shape_ok"]
+    assert r["ratio"] <= 1.0, r
+    if "ratio_wrong_scale" in r:
+        assert r["ratio_wrong_scale"] > 10.0, r
+    if "ratio_swapped_nibbles" in r:
+        assert r["ratio_swapped_nibbles"] > 10.0, r
+    if "quant_exact" in r:
+        assert r["quant_exact"], r
+        assert r["rel_vs_unquantized"] < 0.06, r
+    if "ct_unpack_exact" in r:
+        assert r["ct_unpack_exact"], r
+        assert r["ct_decompress_rel"] <= 2.0 ** -8, r  # compressed-tensors rounds its result to bf16
+
+
+def test_bad_inputs_one_line():
+    import torch
+    from ninfer.kernels.fp8_gemm import fp8_block_linear
+    from ninfer.kernels.nvfp4_gemm import nvfp4_linear
+    x = torch.zeros(2, 256, dtype=torch.bfloat16)
+    w8 = torch.zeros(128, 256, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"weight_scale_inv must be float32 \[1, 2\]"):
+        fp8_block_linear(x, w8, torch.ones(1, 1))
+    with pytest.raises(ValueError, match="x's last dim must be K=256"):
+        fp8_block_linear(x[:, :128], w8, torch.ones(1, 2))
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        fp8_block_linear(x.float(), w8, torch.ones(1, 2))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        fp8_block_linear(x, w8, torch.ones(1, 2), impl="fast")
+    p = torch.zeros(64, 128, dtype=torch.uint8)
+    sc = torch.ones(64, 16).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"weight_scale must be float8_e4m3fn \[64, 16\]"):
+        nvfp4_linear(x, p, sc[:, :8], torch.tensor(1.0))
+    with pytest.raises(ValueError, match="float32 scalar"):
+        nvfp4_linear(x, p, sc, torch.ones(2))
+    with pytest.raises(ValueError, match=r"bias must be \[N=64\]"):
+        nvfp4_linear(x, p, sc, torch.tensor(1.0), torch.zeros(65))
+
+
+if __name__ == "__main__" and "--child" in sys.argv:
+    sys.exit(child_main(CASES, run_case))
