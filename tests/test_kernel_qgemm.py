@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -42,9 +43,8 @@ CASES += [("nvfp4-fp16-m16", "nvfp4", "float16", 16, 128, 256, None, True, 15),
           ("nvfp4-ragged-k-m64", "nvfp4", "bfloat16", 64, 72, 200, "random", True, 17)]
 
 
-def _ratio(y, ref, x, w):
-    import torch
-    bound = 2.0 ** -7 * ref.abs() + 2.0 ** -14 * (x.double().abs() @ w.abs().t()) + 1e-30
+def _ratio(y, ref, x, w, acc=2.0 ** -14):
+    bound = 2.0 ** -7 * ref.abs() + acc * (x.double().abs() @ w.abs().t()) + 1e-30
     return float(((y.double() - ref).abs() / bound).max())
 
 
@@ -66,7 +66,6 @@ def _ct_nvfp4(w):
 
 
 def _fp8_case(name, dtype, m, n, k, impl, bias, gen):
-    import torch
     import triton
     from ninfer.kernels import fp8_gemm as F
     x = torch.randn(m, k, generator=gen).to(dtype)
@@ -96,7 +95,6 @@ def _fp8_case(name, dtype, m, n, k, impl, bias, gen):
 
 
 def _nvfp4_case(name, dtype, m, n, k, kind, bias, gen):
-    import torch
     from ninfer.kernels import nvfp4_gemm as F
     x = torch.randn(m, k, generator=gen).to(dtype)
     res = {"name": name}
@@ -124,7 +122,6 @@ def _nvfp4_case(name, dtype, m, n, k, kind, bias, gen):
 
 
 def run_case(name, kind, dtype, m, n, k, impl, bias, seed):
-    import torch
     gen = torch.Generator().manual_seed(seed)
     dt = getattr(torch, dtype)
     if kind == "fp8":
@@ -153,7 +150,6 @@ def test_qgemm_case(results, case):
 
 
 def test_bad_inputs_one_line():
-    import torch
     from ninfer.kernels.fp8_gemm import fp8_block_linear
     from ninfer.kernels.nvfp4_gemm import nvfp4_linear
     x = torch.zeros(2, 256, dtype=torch.bfloat16)
@@ -174,6 +170,63 @@ def test_bad_inputs_one_line():
         nvfp4_linear(x, p, sc, torch.ones(2))
     with pytest.raises(ValueError, match=r"bias must be \[N=64\]"):
         nvfp4_linear(x, p, sc, torch.tensor(1.0), torch.zeros(65))
+
+
+# -- GPU, at Qwen3-8B's shapes (K, N): qkv, down ---------------------------------------------------
+GPU_SHAPES = ((4096, 6144), (12288, 4096))
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("m", (1, 16, 4096))
+@pytest.mark.parametrize("kn", GPU_SHAPES, ids=lambda kn: f"k{kn[0]}-n{kn[1]}")
+def test_fp8_cuda(m, kn):
+    """Every FP8 path on the GPU against float64. W8A8 on Hopper: the FP8 MMA accumulates a 128-wide
+    K block with fewer than fp32's bits before the fp32 promotion, hence a 2^-10 accumulation term."""
+    from ninfer.kernels import fp8_gemm as F
+    k, n = kn
+    gen = torch.Generator(device="cuda").manual_seed(m + k)
+    x = torch.randn((m, k), device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn((n, k), device="cuda", generator=gen) * 64).to(torch.float8_e4m3fn)
+    s = torch.rand((n // 128, k // 128), device="cuda", generator=gen) * 4e-4 + 1e-4
+    b = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
+    wd = F.dequantize_ref(w, s)
+    ref = F.fp8_block_linear_ref(x, w, s, b)
+    assert _ratio(F.fp8_block_linear(x, w, s, b, impl="weight_only"), ref, x, wd) <= 1.0
+    q, qs = F.quantize_act(x)
+    rq, rqs = F.quantize_act_ref(x)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(qs, rqs)
+    xq = q.double() * qs.double().repeat_interleave(128, 1)
+    qref = xq @ wd.t() + b.double()
+    impls = ["triton"] + (["scaled_mm"] if F.scaled_mm_supported(n, k) else [])
+    for impl in impls:
+        try:
+            y = F.fp8_block_linear(x, w, s, b, impl=impl)
+        except (RuntimeError, ValueError) as e:  # cuBLAS without blockwise fp8: prefill_impl never picks it
+            assert impl == "scaled_mm", e
+            continue
+        assert _ratio(y, qref, xq, wd, acc=2.0 ** -10) <= 1.0, impl
+    assert F.prefill_impl(x.device) in ("triton", "scaled_mm")
+    y = F.fp8_block_linear(x, w, s, b)
+    assert float((y.double() - ref).norm() / ref.norm()) < (1e-2 if m <= 16 else 6e-2)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("m", (1, 16, 4096))
+@pytest.mark.parametrize("kn", GPU_SHAPES, ids=lambda kn: f"k{kn[0]}-n{kn[1]}")
+def test_nvfp4_cuda(m, kn):
+    from ninfer.kernels import nvfp4_gemm as F
+    k, n = kn
+    gen = torch.Generator(device="cuda").manual_seed(m + k + 1)
+    x = torch.randn((m, k), device="cuda", generator=gen).to(torch.bfloat16)
+    p = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
+    sc = (torch.rand((n, k // 16), device="cuda", generator=gen) * 200 + 8).to(torch.float8_e4m3fn)
+    gs = torch.tensor([2688.0 / 0.1], device="cuda")
+    b = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
+    ref = F.nvfp4_linear_ref(x, p, sc, gs, b)
+    assert _ratio(F.nvfp4_linear(x, p, sc, gs, b), ref, x, F.dequantize_ref(p, sc, gs)) <= 1.0
 
 
 if __name__ == "__main__" and "--child" in sys.argv:

@@ -260,7 +260,7 @@ def prefill_impl(device: torch.device, n: int = 4096, k: int = 4096) -> str:
             t_tr = median_us(lambda: _w8a8_triton(x, w, s, None, x.dtype), 30)
             t_sm = median_us(lambda: _w8a8_scaled_mm(x, w, s, None, x.dtype), 30)
             choice = "scaled_mm" if t_sm < t_tr else "triton"
-    except RuntimeError:  # cuBLAS without blockwise fp8 (CUDA < 12.9): the Triton kernel
+    except (RuntimeError, ValueError):  # cuBLAS without blockwise fp8 (CUDA < 12.9): the Triton kernel
         choice = "triton"
     _PREFILL_IMPL[idx] = choice
     return choice
