@@ -49,17 +49,19 @@ def _mma(a, b, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, sxm, q_ptr, s_ptr, ssm, ssg, K, G: tl.constexpr):
-    """Row m, groups g0 .. g0+G: q = x / s as e4m3 (round to nearest), s = amax / 448 per group."""
-    m = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1) * G + tl.arange(0, G)
-    k = g[:, None] * 128 + tl.arange(0, 128)[None, :]
-    mask = k < K
-    x = tl.load(x_ptr + m * sxm + k, mask=mask, other=0.0).to(tl.float32)
+def _act_quant_kernel(x_ptr, sxm, q_ptr, s_ptr, ssm, ssg, M, K, ROWS: tl.constexpr):
+    """Rows r0 .. r0+ROWS of K group g: q = x / s as e4m3 (round to nearest), s = amax / 448."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    g = tl.program_id(1)
+    k = g * 128 + tl.arange(0, 128)
+    mr = r < M
+    mask = mr[:, None] & (k < K)[None, :]
+    r64 = r.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + r64 * sxm + k[None, :], mask=mask, other=0.0).to(tl.float32)
     s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
     q = _round_e4m3(x / s[:, None]).to(tl.float8e4nv)
-    tl.store(q_ptr + m * K + k, q, mask=mask)
-    tl.store(s_ptr + m * ssm + g * ssg, s, mask=g * 128 < K)
+    tl.store(q_ptr + r64 * K + k[None, :], q, mask=mask)
+    tl.store(s_ptr + r * ssm + g * ssg, s, mask=mr)
 
 
 @triton.jit
@@ -159,9 +161,9 @@ def quantize_act(x: torch.Tensor, *, scale_col_major: bool = False) -> tuple[tor
     else:
         s = torch.empty((m, g), dtype=torch.float32, device=x.device)
     if m:
-        gp = min(8, triton.next_power_of_2(g))
-        _act_quant_kernel[(m, triton.cdiv(g, gp))](x, x.stride(0), q, s, s.stride(0), s.stride(1), k, G=gp,
-                                                   num_warps=4)
+        rows = 16
+        _act_quant_kernel[(triton.cdiv(m, rows), g)](x, x.stride(0), q, s, s.stride(0), s.stride(1), m, k,
+                                                     ROWS=rows, num_warps=4)
     return q, s
 
 

@@ -23,42 +23,55 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 @triton.jit
+def _e2m1(code):
+    """4-bit codes (uint16) -> fp32 values: e2m1 s.ee.m -> fp16 s.000ee.m000000000, then x 2^14 (the
+    exponent biases 15 vs 1; code 1 lands on the fp16 subnormal 2^-15 -> 0.5)."""
+    return (((code & 8) << 12) | ((code & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
 def _nvfp4_kernel(x_ptr, sxm, w_ptr, swn, s_ptr, ssn, gs_ptr, bias_ptr, o_ptr, M, N, K, KB_PER_SPLIT,
                   HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
     """out (DIRECT) or the fp32 split-K partial [split, M, N] of x @ dequant(w)^T over this split's
-    K blocks. Each packed byte is loaded for both of its columns (the second load hits L1)."""
+    K blocks. The packed bytes are read as they lie ([BLOCK_K/2] contiguous bytes per output
+    column, viewed as [groups of 16 columns, 8 bytes]); their low nibbles (even columns) and high
+    nibbles (odd columns) are two [BLOCK_K/2, BLOCK_N] operands, multiplied by x's even and odd
+    columns (x's tile split in registers)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    NG: tl.constexpr = BLOCK_K // 16
+    rg = tl.arange(0, NG)
+    rb = rg[:, None, None] * 8 + tl.arange(0, 8)[None, :, None]  # [NG, 8, 1] byte within the tile
     mm = rm < M
     mn = rn < N
     DT: tl.constexpr = x_ptr.dtype.element_ty
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * sxm
-    w_cols = w_ptr + rn.to(tl.int64)[None, :] * swn
+    w_cols = w_ptr + rn.to(tl.int64)[None, None, :] * swn
     s_cols = s_ptr + rn.to(tl.int64)[None, :] * ssn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     kb0 = pid_s * KB_PER_SPLIT
     kb1 = tl.minimum(kb0 + KB_PER_SPLIT, tl.cdiv(K, BLOCK_K))
     for kb in range(kb0, kb1):
         k = kb * BLOCK_K + rk
-        mk = k < K
-        mw = mk[:, None] & mn[None, :]
-        x = tl.load(x_rows + k[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
-        byte = tl.load(w_cols + (k // 2)[:, None], mask=mw, other=0).to(tl.uint16)
-        code = (byte >> ((k % 2) * 4).to(tl.uint16)[:, None]) & 0xF
-        # e2m1 s.ee.m -> fp16 s.000ee.m000000000: exponent bias 15 vs 1, so x 2^14 gives the value
-        # (code 1 lands on the fp16 subnormal 2^-15 -> 0.5)
-        mag = (((code & 8) << 12) | ((code & 7) << 9)).to(tl.float16, bitcast=True)
-        sc = tl.load(s_cols + (k // 16)[:, None], mask=mw, other=0.0).to(tl.float32)
-        w = (mag.to(tl.float32) * 16384.0 * sc).to(DT)
+        x = tl.load(x_rows + k[None, :], mask=mm[:, None] & (k < K)[None, :], other=0.0)
+        xe, xo = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
+        b = kb * (BLOCK_K // 2) + rb
+        byte = tl.load(w_cols + b, mask=(b < K // 2) & mn[None, None, :], other=0).to(tl.uint16)
+        g = kb * NG + rg
+        sc = tl.load(s_cols + g[:, None], mask=(g * 16 < K)[:, None] & mn[None, :], other=0.0).to(tl.float32)
+        sc = sc[:, None, :]
+        lo = tl.reshape((_e2m1(byte & 0xF) * sc).to(DT), (BLOCK_K // 2, BLOCK_N))
+        hi = tl.reshape((_e2m1(byte >> 4) * sc).to(DT), (BLOCK_K // 2, BLOCK_N))
         if INTERPRET:  # the interpreter's 16-bit dot works on raw bit patterns: same values in fp32
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32))
+            acc += tl.dot(xe.to(tl.float32), lo.to(tl.float32)) + tl.dot(xo.to(tl.float32), hi.to(tl.float32))
         else:
-            acc += tl.dot(x, w)
+            acc = tl.dot(xe, lo, acc)
+            acc = tl.dot(xo, hi, acc)
     acc = acc / tl.load(gs_ptr)
     mo = mm[:, None] & mn[None, :]
     if DIRECT:
