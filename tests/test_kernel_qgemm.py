@@ -36,12 +36,15 @@ for _m, _n, _k, _s in ((1, 256, 512, 0), (3, 200, 300, 1), (16, 256, 384, 2), (6
 CASES += [("fp8-fp16-m3", "fp8", "float16", 3, 256, 256, None, True, 5),
           ("fp8-fp16-m64", "fp8", "float16", 64, 128, 256, None, False, 6),
           ("fp8-weight-only-m64", "fp8", "bfloat16", 64, 200, 384, "weight_only", True, 7),
-          ("fp8-w8a8-m3", "fp8", "bfloat16", 3, 256, 256, "triton", False, 8)]
+          ("fp8-w8a8-m3", "fp8", "bfloat16", 3, 256, 256, "triton", False, 8),
+          ("fp8-split4-m2", "fp8", "bfloat16", 2, 64, 1024, None, True, 9)]
 for _m, _n, _k, _s in ((1, 256, 512, 10), (3, 200, 96, 11), (16, 256, 384, 12), (64, 128, 256, 13), (70, 64, 128, 14)):
     CASES.append((f"nvfp4-m{_m}-n{_n}-k{_k}", "nvfp4", "bfloat16", _m, _n, _k, None, _s % 2 == 0, _s))
 CASES += [("nvfp4-fp16-m16", "nvfp4", "float16", 16, 128, 256, None, True, 15),
           ("nvfp4-ragged-k-m3", "nvfp4", "bfloat16", 3, 72, 200, "random", False, 16),
-          ("nvfp4-ragged-k-m64", "nvfp4", "bfloat16", 64, 72, 200, "random", True, 17)]
+          ("nvfp4-ragged-k-m64", "nvfp4", "bfloat16", 64, 72, 200, "random", True, 17),
+          ("nvfp4-split4-m5", "nvfp4", "bfloat16", 5, 64, 1024, "random", True, 18)]
+SPLIT_CASES = ("fp8-m1-n256-k512", "fp8-split4-m2", "nvfp4-m1-n256-k512", "nvfp4-split4-m5")
 
 
 def _ratio(y, ref, x, w, acc=2.0 ** -14):
@@ -133,9 +136,12 @@ def run_case(name, kind, dtype, m, n, k, impl, bias, seed):
     torch.set_num_threads(1)  # tiny shapes: intra-op threads only spin (tests/conftest.py)
     gen = torch.Generator().manual_seed(seed)
     dt = getattr(torch, dtype)
-    if kind == "fp8":
-        return _fp8_case(name, dt, m, n, k, impl, bias, gen)
-    return _nvfp4_case(name, dt, m, n, k, impl, bias, gen)
+    from ninfer.kernels.qgemm_common import _COUNTERS, split_k
+    res = (_fp8_case if kind == "fp8" else _nvfp4_case)(name, dt, m, n, k, impl, bias, gen)
+    if m <= 16 and impl != "triton":  # the split the decode kernels chose (tiles of 64 columns, K blocks of 128)
+        res["split"] = split_k(torch.device("cpu"), -(-n // 64), -(-k // 128))[0]
+    res["counters_zero"] = all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
+    return res
 
 
 results = module_results(__file__)
@@ -146,6 +152,9 @@ def test_qgemm_case(results, case):
     r = case_result(results, case[0])
     assert r["shape_ok"]
     assert r["ratio"] <= 1.0, r
+    assert r["counters_zero"], r  # split-K tickets are left zeroed for the next launch
+    if case[0] in SPLIT_CASES:
+        assert r["split"] >= 2, r
     if "ratio_wrong_scale" in r:
         assert r["ratio_wrong_scale"] > 10.0, r
     if "ratio_swapped_nibbles" in r:
@@ -236,6 +245,31 @@ def test_nvfp4_cuda(m, kn):
     b = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
     ref = F.nvfp4_linear_ref(x, p, sc, gs, b)
     assert _ratio(F.nvfp4_linear(x, p, sc, gs, b), ref, x, F.dequantize_ref(p, sc, gs)) <= 1.0
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_split_k_cuda_deterministic():
+    """The decode GEMMs sum their K splits in the kernel (the last split to finish reads the others'
+    partials): repeated calls are bit-identical, and the ticket counters are left at zero. A
+    missing ordering between the partial stores and the ticket shows as a differing run."""
+    from ninfer.kernels.fp8_gemm import fp8_block_linear
+    from ninfer.kernels.nvfp4_gemm import nvfp4_linear
+    from ninfer.kernels.qgemm_common import counters, split_k
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    k, n = 12288, 4096
+    assert split_k(torch.device("cuda"), n // 64, k // 128)[0] > 1
+    x = torch.randn((4, k), device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn((n, k), device="cuda", generator=gen) * 64).to(torch.float8_e4m3fn)
+    s = torch.rand((n // 128, k // 128), device="cuda", generator=gen) * 4e-4 + 1e-4
+    p = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
+    sc = (torch.rand((n, k // 16), device="cuda", generator=gen) * 200 + 8).to(torch.float8_e4m3fn)
+    gs = torch.tensor([2688.0 / 0.1], device="cuda")
+    for fn in (lambda: fp8_block_linear(x, w, s), lambda: nvfp4_linear(x, p, sc, gs)):
+        first = fn()
+        outs = [fn() for _ in range(200)]
+        assert all(torch.equal(o, first) for o in outs)
+    assert int(counters(x.device).abs().sum()) == 0
 
 
 if __name__ == "__main__" and "--child" in sys.argv:

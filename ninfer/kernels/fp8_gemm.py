@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.kernels.qgemm_common import DECODE_M, check_common, check_device, interpreting, reduce_splits, split_k
+from ninfer.kernels.qgemm_common import (DECODE_M, check_common, check_device, epilogue, interpreting, split_buffers,
+                                         split_k)
 
 BLOCK = 128  # the checkpoint's scale block, both dims
 FP8_MAX = 448.0
@@ -100,11 +101,11 @@ def _w8a8_kernel(a_ptr, as_ptr, sasm, sasg, b_ptr, bs_ptr, sbsn, bias_ptr, c_ptr
 
 
 @triton.jit
-def _weight_only_kernel(x_ptr, sxm, w_ptr, ws_ptr, swsn, bias_ptr, o_ptr, M, N, K, KB_PER_SPLIT,
-                        HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr,
+def _weight_only_kernel(x_ptr, sxm, w_ptr, ws_ptr, swsn, bias_ptr, o_ptr, p_ptr, cnt_ptr, M, N, K,
+                        KB_PER_SPLIT, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
-    """out (DIRECT) or the fp32 split-K partial [split, M, N] of x @ dequant(w)^T over this split's
-    K blocks; e4m3 -> x dtype is exact, the block scale multiplies each K block's fp32 product."""
+    """x @ dequant(w)^T over this split's K blocks (qgemm_common.epilogue sums the splits); e4m3 ->
+    x dtype is exact, the block scale multiplies each K block's fp32 product."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -126,13 +127,8 @@ def _weight_only_kernel(x_ptr, sxm, w_ptr, ws_ptr, swsn, bias_ptr, o_ptr, M, N, 
         w = tl.load(w_cols + k[:, None], mask=mk[:, None] & mn[None, :], other=0.0).to(DT)
         s = tl.load(ws_ptr + (rn // 128) * swsn + kb, mask=mn, other=0.0)
         acc += _mma(x, w, INTERPRET) * s[None, :]
-    mo = mm[:, None] & mn[None, :]
-    if DIRECT:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=mn, other=0.0).to(tl.float32)[None, :]
-        tl.store(o_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc.to(DT), mask=mo)
-    else:
-        tl.store(o_ptr + (pid_s * M + rm.to(tl.int64))[:, None] * N + rn[None, :], acc, mask=mo)
+    epilogue(acc, o_ptr, p_ptr, cnt_ptr, bias_ptr, rm, rn, M, N, pid_m * tl.num_programs(0) + pid_n, pid_s,
+             tl.num_programs(1), HAS_BIAS, DIRECT)
 
 
 def _check(x, weight, wsi, bias):
@@ -226,15 +222,14 @@ def _weight_only(x2, weight, wsi, bias, out_dtype):
     bm = 16 if m <= DECODE_M else 64
     bn = 64
     kblocks = triton.cdiv(k, BLOCK)
-    split, per = split_k(x2.device, triton.cdiv(n, bn) * triton.cdiv(m, bm), kblocks)
-    direct = split == 1
-    out = torch.empty((m, n) if direct else (split, m, n), dtype=out_dtype if direct else torch.float32,
-                      device=x2.device)
+    tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+    split, per = split_k(x2.device, tiles, kblocks)
+    out, partial, cnt = split_buffers(m, n, split, tiles, out_dtype, x2.device)
     _weight_only_kernel[(triton.cdiv(n, bn), split, triton.cdiv(m, bm))](
-        x2, x2.stride(0), weight, wsi, wsi.stride(0), bias if bias is not None else out, out, m, n, k, per,
-        HAS_BIAS=bias is not None, DIRECT=direct, BLOCK_M=bm, BLOCK_N=bn, INTERPRET=interpreting(),
-        num_warps=4, num_stages=4)
-    return out if direct else reduce_splits(out, bias, (m, n), out_dtype)
+        x2, x2.stride(0), weight, wsi, wsi.stride(0), bias if bias is not None else out, out, partial, cnt,
+        m, n, k, per, HAS_BIAS=bias is not None, DIRECT=split == 1, BLOCK_M=bm, BLOCK_N=bn,
+        INTERPRET=interpreting(), num_warps=4, num_stages=4)
+    return out
 
 
 IMPLS = {"weight_only": _weight_only, "triton": _w8a8_triton, "scaled_mm": _w8a8_scaled_mm}

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.kernels.qgemm_common import DECODE_M, check_common, check_device, interpreting, reduce_splits, split_k
+from ninfer.kernels.qgemm_common import (DECODE_M, check_common, check_device, epilogue, interpreting, split_buffers,
+                                         split_k)
 
 GROUP = 16  # columns per weight_scale
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -30,11 +31,10 @@ def _e2m1(code):
 
 
 @triton.jit
-def _nvfp4_kernel(x_ptr, sxm, w_ptr, swn, s_ptr, ssn, gs_ptr, bias_ptr, o_ptr, M, N, K, KB_PER_SPLIT,
-                  HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _nvfp4_kernel(x_ptr, sxm, w_ptr, swn, s_ptr, ssn, gs_ptr, bias_ptr, o_ptr, p_ptr, cnt_ptr, M, N, K,
+                  KB_PER_SPLIT, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
-    """out (DIRECT) or the fp32 split-K partial [split, M, N] of x @ dequant(w)^T over this split's
-    K blocks. The packed bytes are read as they lie ([BLOCK_K/2] contiguous bytes per output
+    """x @ dequant(w)^T over this split's K blocks (qgemm_common.epilogue sums the splits). The packed bytes are read as they lie ([BLOCK_K/2] contiguous bytes per output
     column, viewed as [groups of 16 columns, 8 bytes]); their low nibbles (even columns) and high
     nibbles (odd columns) are two [BLOCK_K/2, BLOCK_N] operands, multiplied by x's even and odd
     columns (x's tile split in registers)."""
@@ -73,13 +73,8 @@ def _nvfp4_kernel(x_ptr, sxm, w_ptr, swn, s_ptr, ssn, gs_ptr, bias_ptr, o_ptr, M
             acc = tl.dot(xe, lo, acc)
             acc = tl.dot(xo, hi, acc)
     acc = acc / tl.load(gs_ptr)
-    mo = mm[:, None] & mn[None, :]
-    if DIRECT:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=mn, other=0.0).to(tl.float32)[None, :]
-        tl.store(o_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc.to(DT), mask=mo)
-    else:
-        tl.store(o_ptr + (pid_s * M + rm.to(tl.int64))[:, None] * N + rn[None, :], acc, mask=mo)
+    epilogue(acc, o_ptr, p_ptr, cnt_ptr, bias_ptr, rm, rn, M, N, pid_m * tl.num_programs(0) + pid_n, pid_s,
+             tl.num_programs(1), HAS_BIAS, DIRECT)
 
 
 def _check(x, packed, scale, gs, bias):
@@ -112,15 +107,12 @@ def nvfp4_linear(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: tor
     else:
         bm, bn, bk, warps = (128, 128, 64, 8) if m > 64 else (64, 128, 64, 4)
         split, per = 1, triton.cdiv(k, bk)
-    direct = split == 1
-    out = torch.empty((m, n) if direct else (split, m, n), dtype=x.dtype if direct else torch.float32,
-                      device=x2.device)
+    tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+    out, partial, cnt = split_buffers(m, n, split, tiles, x.dtype, x2.device)
     _nvfp4_kernel[(triton.cdiv(n, bn), split, triton.cdiv(m, bm))](
         x2, x2.stride(0), packed, packed.stride(0), scale, scale.stride(0), gs, bias if bias is not None else out,
-        out, m, n, k, per, HAS_BIAS=bias is not None, DIRECT=direct, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        INTERPRET=interpreting(), num_warps=warps, num_stages=3)
-    if not direct:
-        out = reduce_splits(out, bias, (m, n), x.dtype)
+        out, partial, cnt, m, n, k, per, HAS_BIAS=bias is not None, DIRECT=split == 1, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk, INTERPRET=interpreting(), num_warps=warps, num_stages=3)
     return out.reshape(*x.shape[:-1], n)
 
 
