@@ -125,7 +125,8 @@ def run(args) -> int:
     impls = [s.strip() for s in args.impls.split(",") if s.strip()]
     bad = [s for s in shapes if s not in SHAPES] + [i for i in impls if i not in IMPLS]
     if bad:
-        print(f"ninfer bench gemm: unknown shape/impl {bad}; shapes {list(SHAPES)}, impls {list(IMPLS)}", file=sys.stderr)
+        print(f"ninfer bench gemm: unknown shape/impl {bad}; shapes {list(SHAPES)}, impls {list(IMPLS)}",
+              file=sys.stderr)
         return 2
     ms = [int(s) for s in args.m.split(",") if s.strip()]
     props = torch.cuda.get_device_properties(0)
@@ -138,7 +139,8 @@ def run(args) -> int:
               "torch": torch.__version__, "triton": triton.__version__, "l2_bytes": l2,
               "command": " ".join(["ninfer", "bench", "gemm"] + sys.argv[3:]), "copy_bw_GBps": copy_bw / 1e9,
               "fp8_prefill_impl": choice, "rows": []}
-    print(f"# {props.name}: copy bandwidth {copy_bw / 1e9:.0f} GB/s (read+write); fp8 prefill uses {choice}", flush=True)
+    print(f"# {props.name}: copy bandwidth {copy_bw / 1e9:.0f} GB/s (read+write); fp8 prefill uses {choice}",
+          flush=True)
     for shape in shapes:
         for m in ms:
             for impl in impls:

@@ -35,7 +35,7 @@ def _round_e4m3(v):
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # 3 mantissa bits, ties to even
     normal = bits.to(tl.float32, bitcast=True)
     sub = (v * 512.0 + 12582912.0) - 12582912.0  # below 2^-6: multiples of 2^-9 (1.5 * 2^23 rounds)
-    r = tl.where(tl.abs(v) < 0.015625, sub / 512.0, normal)
+    r = tl.where(tl.abs(v) < 0.015625, sub * 0.001953125, normal)
     return tl.minimum(tl.maximum(r, -448.0), 448.0)
 
 
@@ -59,8 +59,9 @@ def _act_quant_kernel(x_ptr, sxm, q_ptr, s_ptr, ssm, ssg, M, K, ROWS: tl.constex
     mask = mr[:, None] & (k < K)[None, :]
     r64 = r.to(tl.int64)[:, None]
     x = tl.load(x_ptr + r64 * sxm + k[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
-    q = _round_e4m3(x / s[:, None]).to(tl.float8e4nv)
+    # IEEE divisions (Triton's `/` is approximate on GPUs): the same scales and codes as torch's
+    s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10), tl.full((ROWS,), 448.0, tl.float32))
+    q = _round_e4m3(tl.math.div_rn(x, tl.broadcast_to(s[:, None], (ROWS, 128)))).to(tl.float8e4nv)
     tl.store(q_ptr + r64 * K + k[None, :], q, mask=mask)
     tl.store(s_ptr + r * ssm + g * ssg, s, mask=mr)
 

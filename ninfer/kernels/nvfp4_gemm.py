@@ -32,12 +32,13 @@ def _e2m1(code):
 
 @triton.jit
 def _nvfp4_kernel(x_ptr, sxm, w_ptr, swn, s_ptr, ssn, gs_ptr, bias_ptr, o_ptr, p_ptr, cnt_ptr, M, N, K,
-                  KB_PER_SPLIT, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
-    """x @ dequant(w)^T over this split's K blocks (qgemm_common.epilogue sums the splits). The packed bytes are read as they lie ([BLOCK_K/2] contiguous bytes per output
-    column, viewed as [groups of 16 columns, 8 bytes]); their low nibbles (even columns) and high
-    nibbles (odd columns) are two [BLOCK_K/2, BLOCK_N] operands, multiplied by x's even and odd
-    columns (x's tile split in registers)."""
+                  KB_PER_SPLIT, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """x @ dequant(w)^T over this split's K blocks (qgemm_common.epilogue sums the splits). The
+    packed bytes are read as they lie (BLOCK_K/2 contiguous bytes per output column, viewed as
+    [groups of 16 columns, 8 bytes]); their low nibbles (even columns) and high nibbles (odd
+    columns) are two [BLOCK_K/2, BLOCK_N] operands, multiplied by x's even and odd columns (x's
+    tile split in registers)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -72,7 +73,7 @@ def _nvfp4_kernel(x_ptr, sxm, w_ptr, swn, s_ptr, ssn, gs_ptr, bias_ptr, o_ptr, p
         else:
             acc = tl.dot(xe, lo, acc)
             acc = tl.dot(xo, hi, acc)
-    acc = acc / tl.load(gs_ptr)
+    acc = acc * (1.0 / tl.load(gs_ptr))
     epilogue(acc, o_ptr, p_ptr, cnt_ptr, bias_ptr, rm, rn, M, N, pid_m * tl.num_programs(0) + pid_n, pid_s,
              tl.num_programs(1), HAS_BIAS, DIRECT)
 
