@@ -99,8 +99,6 @@ def bench_row(impl: str, shape: str, m: int, l2: int, rep_ms: int, copy_bw: floa
     us = time_graph([lambda i=i: fn(x, *weights[i]) for i in replay_sets(sets)], rep_ms)
     row.update(us=us, tflops=2.0 * m * n * k / (us * 1e-6) / 1e12, weight_GBps=nbytes / (us * 1e-6) / 1e9)
     row["pct_copy"] = 100.0 * row["weight_GBps"] * 1e9 / copy_bw
-    del weights
-    torch.cuda.empty_cache()
     return row
 
 
@@ -145,6 +143,7 @@ def run(args) -> int:
         for m in ms:
             for impl in impls:
                 row = bench_row(impl, shape, m, l2, args.rep_ms, copy_bw)
+                torch.cuda.empty_cache()  # the row's weight copies
                 result["rows"].append(row)
                 print(table([row]).splitlines()[1], flush=True)
     result["wall_s"] = time.time() - t0
