@@ -26,7 +26,7 @@ TOL = {"bf16": 1e-2, "nvfp4": 1e-2, "fp8-weight-only": 1e-2}  # W8A8 rows: 6e-2 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="write the result as JSON to PATH ('-' = stdout)")
-    p.add_argument("--m", default="1,4,16,4096", help="comma list of batch rows M")
+    p.add_argument("--m", default="1,4,16,64,4096", help="comma list of batch rows M")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
     p.add_argument("--impls", default=",".join(IMPLS), help="comma list of implementations to time")
     p.add_argument("--rep-ms", type=int, default=100, help="ms of timed replays per measurement")

@@ -3,11 +3,11 @@
 ``w[n, k] = weight[n, k] * weight_scale_inv[n // 128, k // 128]``.
 
 Two paths, by the number of rows M:
-* M <= 16 (decode): weight-only. Memory-bound on the weight bytes, so the fp8 weight is converted
+* M <= 64 (decode batches): weight-only. Bound by the weight bytes, so the fp8 weight is converted
   to the activation dtype in registers (exact: e4m3 has 4 significant bits) and multiplied on the
   16-bit MMA; the block scale is applied per 128-column K block in fp32. K is split over programs
   so a decode-sized grid still keeps every SM reading; partials are summed in a fixed order.
-* M > 16 (prefill): W8A8. x is quantized per token per 128-column group to e4m3 (scale = amax/448,
+* M > 64 (prefill): W8A8. x is quantized per token per 128-column group to e4m3 (scale = amax/448,
   a small kernel), then an FP8 tensor-core GEMM multiplies both scales into the fp32 accumulator
   per K block. On sm90 torch's ``scaled_mm`` with BlockWise1x128 x BlockWise128x128 scales (cuBLAS)
   does the same GEMM; ``prefill_impl`` times both once per device and keeps the faster.
@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.kernels.qgemm_common import (DECODE_M, check_common, check_device, epilogue, interpreting, split_buffers,
-                                         split_k)
+from ninfer.kernels.qgemm_common import (SMALL_M, check_common, check_device, epilogue, interpreting, row_tile,
+                                         split_buffers, split_k)
 
 BLOCK = 128  # the checkpoint's scale block, both dims
 FP8_MAX = 448.0
@@ -221,7 +221,7 @@ def _w8a8_scaled_mm(x2, weight, wsi, bias, out_dtype):
 def _weight_only(x2, weight, wsi, bias, out_dtype):
     m, k = x2.shape
     n = weight.shape[0]
-    bm = 16 if m <= DECODE_M else 64
+    bm = row_tile(m)
     bn = 64
     kblocks = triton.cdiv(k, BLOCK)
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
@@ -230,7 +230,7 @@ def _weight_only(x2, weight, wsi, bias, out_dtype):
     _weight_only_kernel[(triton.cdiv(n, bn), split, triton.cdiv(m, bm))](
         x2, x2.stride(0), weight, wsi, wsi.stride(0), bias if bias is not None else out, out, partial, cnt,
         m, n, k, per, HAS_BIAS=bias is not None, DIRECT=split == 1, BLOCK_M=bm, BLOCK_N=bn,
-        INTERPRET=interpreting(), num_warps=4, num_stages=4)
+        INTERPRET=interpreting(), num_warps=4, num_stages=3)
     return out
 
 
@@ -269,11 +269,11 @@ def prefill_impl(device: torch.device, n: int = 4096, k: int = 4096) -> str:
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                      bias: torch.Tensor | None = None, *, impl: str | None = None) -> torch.Tensor:
     """x [..., K] bf16/fp16 @ dequant(weight)^T (+ bias) -> [..., N] in x's dtype. ``impl`` forces a
-    path ("weight_only", "triton", "scaled_mm"); by default M <= 16 is weight-only, larger M W8A8."""
+    path ("weight_only", "triton", "scaled_mm"); by default M <= 64 is weight-only, larger M W8A8."""
     x2, weight, wsi = _check(x, weight, weight_scale_inv, bias)
     m, n = x2.shape[0], weight.shape[0]
     if impl is None:
-        if m <= DECODE_M or not _fp8_tensor_cores(x2.device):
+        if m <= SMALL_M or not _fp8_tensor_cores(x2.device):
             impl = "weight_only"
         else:
             impl = prefill_impl(x2.device)

@@ -6,8 +6,8 @@ sign, magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6), ``weight_scale[N, K/16]`` float8_e4
 Hopper has no FP4 tensor cores, so the weight is dequantized in registers and multiplied on the
 16-bit MMA. ``e2m1 * scale`` is exact in bf16 and fp16 (2 x 4 significant bits, magnitudes 2^-10 ..
 2688), so the only roundings are the MMA's fp32 accumulation and the output; the global scale
-divides the fp32 accumulator once. Up to 16 rows (decode) one 16-row tile per program and K split
-over programs, so a decode-sized grid keeps every SM reading the packed bytes; larger M runs
+divides the fp32 accumulator once. Up to 64 rows (decode batches) one 16..64-row tile per program
+and K split over programs, so a decode-sized grid keeps every SM reading the packed bytes; larger M runs
 128-row tiles, each dequantized weight tile reused by all of them.
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ninfer.kernels.qgemm_common import (DECODE_M, check_common, check_device, epilogue, interpreting, split_buffers,
-                                         split_k)
+from ninfer.kernels.qgemm_common import (SMALL_M, check_common, check_device, epilogue, interpreting, row_tile,
+                                         split_buffers, split_k)
 
 GROUP = 16  # columns per weight_scale
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -102,8 +102,8 @@ def nvfp4_linear(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: tor
     n = packed.shape[0]
     if m == 0:
         return x.new_empty((*x.shape[:-1], n))
-    if m <= DECODE_M:
-        bm, bn, bk, warps = 16, 64, 128, 4
+    if m <= SMALL_M:
+        bm, bn, bk, warps = row_tile(m), 64, 128, 4
         split, per = split_k(x2.device, triton.cdiv(n, bn), triton.cdiv(k, bk))
     else:
         bm, bn, bk, warps = (128, 128, 64, 8) if m > 64 else (64, 128, 64, 4)

@@ -17,7 +17,7 @@ import triton.language as tl
 from ninfer.kernels._common import SM_COUNT
 
 ACT_DTYPES = (torch.bfloat16, torch.float16)
-DECODE_M = 16  # up to this many rows a GEMM is memory-bound: one 16-row MMA tile, split over K
+SMALL_M = 64  # up to this many rows a GEMM is bound by its weight bytes: row tiles of 16..64, split over K
 
 
 def interpreting() -> bool:
@@ -56,11 +56,16 @@ def check_device(op: str, x: torch.Tensor, *tensors: torch.Tensor) -> None:
             raise ValueError(f"{op}: every tensor must be on x's device {x.device}, got one on {t.device}")
 
 
+def row_tile(m: int) -> int:
+    """The row tile of a small-M GEMM: the MMA's 16 rows up to M = 16, else M rounded up to 32 / 64."""
+    return min(SMALL_M, max(16, triton.next_power_of_2(m)))
+
+
 def split_k(device: torch.device, n_tiles: int, k_blocks: int) -> tuple[int, int]:
-    """(splits, K blocks per split) for a decode GEMM: enough programs to keep every SM reading
-    (~2 per SM); each split keeps at least 2 K blocks so the partial sums stay a small fraction of
-    the weight bytes."""
-    want = triton.cdiv(2 * sm_count(device), max(n_tiles, 1))
+    """(splits, K blocks per split) for a small-M GEMM: enough programs to keep every SM reading
+    (~4 per SM, so an uneven last round of programs costs little); each split keeps at least 2 K
+    blocks so the partial sums stay a small fraction of the weight bytes."""
+    want = triton.cdiv(4 * sm_count(device), max(n_tiles, 1))
     split = max(1, min(want, k_blocks // 2 if k_blocks >= 4 else 1))
     per = triton.cdiv(k_blocks, split)
     return triton.cdiv(k_blocks, per), per
