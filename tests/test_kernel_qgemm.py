@@ -80,7 +80,7 @@ def _fp8_case(name, dtype, m, n, k, impl, bias, gen):
     import triton
     from ninfer.kernels import fp8_gemm as F
     x = torch.randn(m, k, generator=gen).to(dtype)
-    w = (torch.randn(n, k, generator=gen) * 64).to(torch.float8_e4m3fn)
+    w = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
     s = torch.rand(triton.cdiv(n, 128), triton.cdiv(k, 128), generator=gen) * 1e-2 + 1e-3
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
     y = F.fp8_block_linear(x, w, s, b, impl=impl)
@@ -208,7 +208,7 @@ def test_fp8_cuda(m, kn):
     k, n = kn
     gen = torch.Generator(device="cuda").manual_seed(m + k)
     x = torch.randn((m, k), device="cuda", generator=gen).to(torch.bfloat16)
-    w = (torch.randn((n, k), device="cuda", generator=gen) * 64).to(torch.float8_e4m3fn)
+    w = (torch.randn((n, k), device="cuda", generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
     s = torch.rand((n // 128, k // 128), device="cuda", generator=gen) * 4e-4 + 1e-4
     b = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
     wd = F.dequantize_ref(w, s)
@@ -261,7 +261,7 @@ def test_split_k_cuda_deterministic():
     k, n = 12288, 4096
     assert split_k(torch.device("cuda"), n // 64, k // 128)[0] > 1
     x = torch.randn((4, k), device="cuda", generator=gen).to(torch.bfloat16)
-    w = (torch.randn((n, k), device="cuda", generator=gen) * 64).to(torch.float8_e4m3fn)
+    w = (torch.randn((n, k), device="cuda", generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
     s = torch.rand((n // 128, k // 128), device="cuda", generator=gen) * 4e-4 + 1e-4
     p = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
     sc = (torch.rand((n, k // 16), device="cuda", generator=gen) * 200 + 8).to(torch.float8_e4m3fn)

@@ -39,7 +39,7 @@ def make_weights(impl: str, n: int, k: int, gen, dev) -> tuple[tuple, int]:
         w = (torch.randn((n, k), device=dev, generator=gen) * 0.02).to(torch.bfloat16)
         return (w,), w.numel() * 2
     if impl.startswith("fp8"):
-        w = (torch.randn((n, k), device=dev, generator=gen) * 64).to(torch.float8_e4m3fn)
+        w = (torch.randn((n, k), device=dev, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
         s = torch.rand((-(-n // 128), -(-k // 128)), device=dev, generator=gen) * 4e-4 + 1e-4
         return (w, s), w.numel() + s.numel() * 4
     p = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev, generator=gen)
