@@ -19,6 +19,7 @@ scheme), and its decompressor and unpacker must agree with our reference dequant
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -190,6 +191,9 @@ def test_bad_inputs_one_line():
         nvfp4_linear(x, p, sc, torch.ones(2))
     with pytest.raises(ValueError, match=r"bias must be \[N=64\]"):
         nvfp4_linear(x, p, sc, torch.tensor(1.0), torch.zeros(65))
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        with pytest.raises(ValueError, match="runs on CUDA tensors"):
+            nvfp4_linear(x, p, sc, torch.tensor(1.0))
 
 
 # -- GPU, at Qwen3-8B's shapes (K, N): qkv, down ---------------------------------------------------

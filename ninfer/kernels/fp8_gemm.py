@@ -270,6 +270,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
                      bias: torch.Tensor | None = None, *, impl: str | None = None) -> torch.Tensor:
     """x [..., K] bf16/fp16 @ dequant(weight)^T (+ bias) -> [..., N] in x's dtype. ``impl`` forces a
     path ("weight_only", "triton", "scaled_mm"); by default M <= 64 is weight-only, larger M W8A8."""
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"fp8_block_linear: impl must be one of {sorted(IMPLS)}, got {impl!r}")
     x2, weight, wsi = _check(x, weight, weight_scale_inv, bias)
     m, n = x2.shape[0], weight.shape[0]
     if impl is None:
@@ -279,7 +281,5 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
             impl = prefill_impl(x2.device)
             if impl == "scaled_mm" and (x.dtype != torch.bfloat16 or not scaled_mm_supported(n, x2.shape[1])):
                 impl = "triton"  # chosen for bf16 at whole blocks
-    elif impl not in IMPLS:
-        raise ValueError(f"fp8_block_linear: impl must be one of {sorted(IMPLS)}, got {impl!r}")
     out = IMPLS[impl](x2, weight, wsi, bias, x.dtype) if m else x2.new_empty((0, n))
     return out.reshape(*x.shape[:-1], n)

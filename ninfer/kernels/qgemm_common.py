@@ -44,6 +44,8 @@ def check_common(op: str, x: torch.Tensor, n: int, k: int, bias: torch.Tensor | 
         raise ValueError(f"{op}: bias must be [N={n}], got {list(bias.shape)}")
     if bias is not None and bias.device != x.device:
         raise ValueError(f"{op}: bias is on {bias.device}, x on {x.device}")
+    if x.device.type != "cuda" and not interpreting():
+        raise ValueError(f"{op}: runs on CUDA tensors (x is on {x.device}); on CPU multiply by the dequantized weight")
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
