@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.qgemm_common import (SMALL_M, check_common, check_device, epilogue, interpreting, row_tile,
-                                         split_buffers, split_k)
+                                         sm_count, split_buffers, split_k)
 
 BLOCK = 128  # the checkpoint's scale block, both dims
 FP8_MAX = 448.0
@@ -196,11 +196,14 @@ def _w8a8_triton(x2, weight, wsi, bias, out_dtype):
     n = weight.shape[0]
     q, s = quantize_act(x2)
     out = torch.empty((m, n), dtype=out_dtype, device=x2.device)
-    bm, warps, stages = (128, 8, 3) if m > 64 else (64, 4, 3)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, 128),)
+    # 128 x 128 tiles for long prefills; below, 64-row tiles (and 64 columns while there are fewer
+    # tiles than SMs) so a mid-sized M still spreads over the GPU
+    bm, warps = (128, 8) if m > 512 else (64, 4)
+    bn = 64 if triton.cdiv(m, bm) * triton.cdiv(n, 128) < sm_count(x2.device) else 128
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _w8a8_kernel[grid](q, s, s.stride(0), s.stride(1), weight, wsi, wsi.stride(0),
                        bias if bias is not None else out, out, m, n, k, HAS_BIAS=bias is not None,
-                       BLOCK_M=bm, BLOCK_N=128, GROUP_M=8, num_warps=warps, num_stages=stages)
+                       BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=3)
     return out
 
 

@@ -5,7 +5,8 @@ Split-K is reduced inside the GEMM launch: every split stores its fp32 partial, 
 from a per-tile counter; the split that draws the last ticket sums all partials in split order
 (deterministic), adds the bias, writes the output and resets the counter to 0. A decode GEMM is
 then one kernel, not a GEMM plus sum, bias and cast kernels (each a few microseconds of a ~5 us
-decode GEMM). The counters live in one zeroed buffer per device and are left zeroed."""
+decode GEMM). The counters live in one zeroed buffer per device and stream (GEMMs on two streams
+may overlap) and are left zeroed."""
 from __future__ import annotations
 
 import os
@@ -74,14 +75,16 @@ def split_k(device: torch.device, n_tiles: int, k_blocks: int) -> tuple[int, int
 
 
 MAX_TILES = 4096  # split-K only runs with fewer than 2 programs per SM, so few output tiles
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
 def counters(device: torch.device) -> torch.Tensor:
-    """The device's zeroed split-K ticket counters (made once; the kernels leave them zeroed)."""
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
+    """The zeroed split-K ticket counters of the device's current stream (made once; the kernels
+    leave them zeroed)."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
 
 
 def split_buffers(m: int, n: int, split: int, n_tiles: int, dtype: torch.dtype, device: torch.device):
