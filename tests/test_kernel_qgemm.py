@@ -196,6 +196,13 @@ def test_bad_inputs_one_line():
             nvfp4_linear(x, p, sc, torch.tensor(1.0))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
+def test_bench_gemm_needs_cuda(capsys):
+    from ninfer.cli import main
+    assert main(["bench", "gemm", "--m", "1"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
 # -- GPU, at Qwen3-8B's shapes (K, N): qkv, down ---------------------------------------------------
 GPU_SHAPES = ((4096, 6144), (12288, 4096))
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
