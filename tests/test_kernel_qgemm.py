@@ -15,6 +15,10 @@ W8A8 (prefill) is checked against the float64 product of the quantized activatio
 whose quantization must equal torch's own e4m3 cast bit for bit, and within 6% (Frobenius) of
 the unquantized product. NVFP4 weights come from compressed-tensors' own compressor (NVFP4A16
 scheme), and its decompressor and unpacker must agree with our reference dequantization.
+Small-M cases with 2 and 4 K splits check the in-kernel split reduction, and every case that the
+split-K ticket counters are left zeroed. On a GPU (``cuda``): every path at Qwen3-8B shapes
+(M 1 / 16 / 64 / 4096) under the same bound (W8A8: 2^-10 accumulation term, the FP8 MMA's
+narrower accumulator within a K block), and 200 repeated split-K calls bit-identical.
 """
 from __future__ import annotations
 
