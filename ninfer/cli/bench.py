@@ -15,6 +15,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "memory": ("ninfer.bench.memory", "planned vs allocated vs device-peak memory"),
     "serve": ("ninfer.bench.serve", "load generator over the OpenAI API: throughput, TTFT, ITL"),
     "prefill": ("ninfer.bench.prefill", "TTFT and prefill tok/s per kv-dtype, vs transformers and SDPA"),
+    "gemm": ("ninfer.bench.gemm", "FP8 / NVFP4 weight GEMMs vs bf16 at Qwen3-8B shapes (GPU)"),
     "structured": ("ninfer.bench.structured", "decode step time with vs without a json_schema constraint"),
 }
 
