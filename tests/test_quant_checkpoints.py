@@ -159,8 +159,10 @@ def test_merged_rows_hold_their_parts(ckpt) -> None:
                                                        for p in ("gate_proj", "up_proj")]))
 
 
-def _greedy(path: Path, prompts: list[list[int]], n: int = 8) -> tuple[list[list[int]], list[torch.Tensor]]:
-    llm = LLM(str(path), kv_dtype="auto", device="cpu", dtype="fp32", max_context=256, kv_capacity=1024)
+def _greedy(path: Path, prompts: list[list[int]], n: int = 8,
+            device: str = "cpu") -> tuple[list[list[int]], list[torch.Tensor]]:
+    llm = LLM(str(path), kv_dtype="auto", device=device, dtype="fp32" if device == "cpu" else "bf16",
+              max_context=256, kv_capacity=1024)
     rows: dict[str, list[torch.Tensor]] = {}
     llm.engine.logits_hook = lambda reqs, logits: [rows.setdefault(r.request_id, []).append(x.clone())
                                                    for r, x in zip(reqs, logits)]

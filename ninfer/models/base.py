@@ -44,7 +44,7 @@ class CausalLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.embed_tokens.weight.device
 
     def checkpoint_map(self) -> dict[str, tuple[str, int | None, int | None]]:
         """checkpoint tensor name -> (parameter name, first row, rows); rows None = the whole

@@ -136,7 +136,7 @@ class QuantLinear(nn.Module):
     def _quantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.qc.method == "nvfp4" and not self.globals:
             raise RuntimeError("QuantLinear.finalize() must run after the weights are loaded")
-        if self.impl != "triton":
+        if self.impl != "triton" or x.dtype == torch.float32:  # the GEMMs take bf16 / fp16 activations
             return F.linear(x, self.dequantized(x.dtype))
         w, s = getattr(self, self.wname), getattr(self, self.sname)
         if self.qc.method == "fp8":

@@ -16,8 +16,9 @@ def linear_shapes(cfg) -> Iterator[tuple[str, int, int]]:
     gated = cfg.model_type.startswith("qwen3_5")
     full = set(cfg.full_attention_layers)
     r = cfg.raw
+    root = "model.language_model." if cfg.architecture.endswith("ForConditionalGeneration") else "model."
     for n in range(cfg.num_layers):
-        p = f"model.layers.{n}."
+        p = f"{root}layers.{n}."
         if n in full:
             yield from ((p + "self_attn.q_proj", q * (2 if gated else 1), h), (p + "self_attn.k_proj", kv, h),
                         (p + "self_attn.v_proj", kv, h), (p + "self_attn.o_proj", h, q))
