@@ -112,3 +112,33 @@ def test_modelopt_config_from_hf_quant_config_json(tmp_path: Path) -> None:
     assert qc is not None and qc.layout == "modelopt" and not qc.is_quantized("lm_head")
     model = load_model(path, progress=False)
     assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8
+
+
+def _rewrite(path: Path, edit) -> None:
+    for f in path.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as h:
+            t = {k: h.get_tensor(k) for k in h.keys()}
+        edit(t)
+        save_file(t, str(f))
+
+
+def test_missing_scale_tensor_is_refused(tmp_path: Path) -> None:
+    path = write_random_checkpoint(tmp_path / "c", DENSE, device="cpu", quant="fp8", tokenizer=None)
+    name = "model.layers.0.self_attn.v_proj.weight_scale_inv"
+    _rewrite(path, lambda t: t.pop(name))
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    del index["weight_map"][name]
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"v_proj.weight is torch.float8_e4m3fn \(quantized\)"):
+        load_model(path, progress=False)
+
+
+def test_tensors_decide_where_the_config_is_silent(tmp_path: Path) -> None:
+    """A config that does not exclude lm_head while the file keeps it dense: lm_head loads dense."""
+    path = write_random_checkpoint(tmp_path / "c", DENSE, device="cpu", quant="fp8", tokenizer=None)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["modules_to_not_convert"] = None
+    (path / "config.json").write_text(json.dumps(cfg))
+    model = load_model(path, dtype="bf16", progress=False)
+    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight.dtype == torch.bfloat16
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn

@@ -67,6 +67,18 @@ def checkpoint_files(model_dir: Path) -> tuple[list[Path], dict[str, Path] | Non
     return files, None
 
 
+def tensor_names(model_dir: Path) -> set[str]:
+    """Every tensor name of the checkpoint (the index, or the files' headers)."""
+    files, index = checkpoint_files(model_dir)
+    if index is not None:
+        return set(index)
+    names: set[str] = set()
+    for path in files:
+        with _open(path) as f:
+            names.update(f.keys())
+    return names
+
+
 def _open(path: Path) -> Any:
     try:
         return safe_open(str(path), framework="pt", device="cpu")
@@ -108,6 +120,11 @@ def load_weights(model: CausalLM, model_dir: Path, *, progress: bool = True) -> 
                                 f"{path}: tensor {name} has shape {list(shape)}, but the config "
                                 f"({model.config.architecture}) needs {list(expected)}")
                         tensor = f.get_tensor(name)
+                        if tensor.dtype in (torch.float8_e4m3fn, torch.uint8) and param.dtype != tensor.dtype:
+                            raise CheckpointError(
+                                f"{path}: tensor {name} is {tensor.dtype} (quantized) but loads into a "
+                                f"{param.dtype} weight: its scale tensors are missing, or config.json does "
+                                f"not declare the quantization")
                     except CheckpointError:
                         raise
                     except Exception as e:
@@ -164,7 +181,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     with torch.device("meta"):
         model = model_cls(cfg).to(dtype=torch_dtype)
         if qc is not None:  # after the cast, which would turn fp8 weights into the activation dtype
-            quant.quantize_modules(model, qc)
+            quant.quantize_modules(model, qc, tensor_names(model_dir))
     model = model.to_empty(device=dev)
     model.tie_weights()  # to_empty gives each module its own new tensor; share again
     load_weights(model, model_dir, progress=progress)

@@ -2,6 +2,8 @@
 weights are allocated (on the meta device), and finish them once the weights are loaded."""
 from __future__ import annotations
 
+from typing import Collection
+
 from torch import nn
 
 from ninfer.layers.linear import MergedLinear
@@ -9,9 +11,23 @@ from ninfer.quant.config import QuantConfig
 from ninfer.quant.linear import QuantLinear
 
 
-def quantize_modules(model: nn.Module, qc: QuantConfig) -> int:
+def quantize_modules(model: nn.Module, qc: QuantConfig, present: Collection[str] | None = None) -> int:
     """Replace every nn.Linear / MergedLinear that has a quantized checkpoint part; returns how many.
-    Parts are named as the checkpoint names them (`checkpoint_map`), which is what ignore lists match."""
+    Parts are named as the checkpoint names them (`checkpoint_map`), which is what ignore lists match.
+    `present` (the checkpoint's tensor names) overrides the config where they disagree: a part whose
+    scale tensor is absent but whose dense weight is there (an lm_head a config forgot to exclude)
+    loads dense, and a part with a scale tensor loads quantized."""
+    _, scale, _ = qc.tensor_names()
+
+    def quantized(ck: str) -> bool:
+        if present is None:
+            return qc.is_quantized(ck)
+        if f"{ck}.{scale}" in present:
+            return True
+        if f"{ck}.weight" in present:  # a weight without its scale is dense
+            return False
+        return qc.is_quantized(ck)  # neither: the loader names what is missing
+
     parts_of: dict[str, list[tuple[int, str]]] = {}
     for ck, (pname, start, _) in model.checkpoint_map().items():
         if ck.endswith(".weight") and pname.endswith(".weight"):
@@ -21,7 +37,7 @@ def quantize_modules(model: nn.Module, qc: QuantConfig) -> int:
         if type(mod) not in (nn.Linear, MergedLinear) or name not in parts_of:
             continue  # a tied lm_head is the embedding, not listed
         cks = [ck for _, ck in sorted(parts_of[name])]
-        flags = [qc.is_quantized(ck) for ck in cks]
+        flags = [quantized(ck) for ck in cks]
         if not any(flags):
             continue
         layout = mod.parts if isinstance(mod, MergedLinear) else (("", mod.out_features),)
