@@ -77,13 +77,13 @@ def reference_weights(path: Path) -> dict[str, torch.Tensor]:
     out = {}
     for name, v in t.items():
         mod, _, kind = name.rpartition(".")
-        if kind == "weight_scale_inv":
+        if kind == "weight_scale_inv" or (kind == "weight_scale" and getattr(t.get(f"{mod}.weight"), "dtype", None) == torch.float8_e4m3fn):
             out[f"{mod}.weight"] = fp8_dequant64(t[f"{mod}.weight"], v).float()
         elif kind == "weight_packed":
             out[f"{mod}.weight"] = ct_dequant(v, t[f"{mod}.weight_scale"], t[f"{mod}.weight_global_scale"])
         elif kind == "weight_scale_2":  # ModelOpt: the compressed-tensors global scale is its inverse
             out[f"{mod}.weight"] = ct_dequant(t[f"{mod}.weight"], t[f"{mod}.weight_scale"], 1.0 / v.reshape(1))
-        elif kind == "weight" and (f"{mod}.weight_scale_inv" in t or f"{mod}.weight_scale_2" in t):
+        elif kind == "weight" and v.dtype in (torch.float8_e4m3fn, torch.uint8):
             continue
         elif kind not in ("weight_scale", "weight_global_scale"):
             out.setdefault(name, v.float())
@@ -148,6 +148,22 @@ def test_fp8_block_scales_against_float64(ckpt) -> None:
         assert bool((err <= w.abs() * 2.0 ** -4 + step * 2.0 ** -10).all()), m  # half an e4m3 step
 
 
+def test_fp8_block_equals_compressed_tensors_decompressor(ckpt) -> None:
+    """The float-quantized FP8_BLOCK layout, through compressed-tensors' own decompressor."""
+    from compressed_tensors.compressors.naive_quantized import FloatQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import FP8_BLOCK as CT_FP8_BLOCK
+    path = ckpt("fp8-ct")
+    model, t = load_model(path, dtype="fp32", progress=False), _tensors(path)
+    scheme = QuantizationScheme(targets=["Linear"], **CT_FP8_BLOCK)
+    gu = model.model.layers[0].mlp.gate_up_proj
+    assert isinstance(gu, QuantLinear) and gu.qc.layout == "ct-fp8"
+    parts = [FloatQuantizationCompressor.decompress({"weight": t[f"model.layers.0.mlp.{p}.weight"],
+                                                     "weight_scale": t[f"model.layers.0.mlp.{p}.weight_scale"]},
+                                                    scheme)["weight"].float() for p in ("gate_proj", "up_proj")]
+    torch.testing.assert_close(gu.dequantized(torch.float32), torch.cat(parts), rtol=1e-6, atol=0)
+
+
 def test_merged_rows_hold_their_parts(ckpt) -> None:
     """The packed weight and scales of q|k|v and gate|up are the parts' row blocks in order."""
     path = ckpt("fp8")
@@ -170,7 +186,8 @@ def _greedy(path: Path, prompts: list[list[int]], n: int = 8,
     return [o.token_ids for o in outs], [torch.stack(rows[o.request_id]) for o in outs]
 
 
-@pytest.mark.parametrize("quant,seed,geom", [("fp8", 0, "dense"), ("fp8", 1, "dense"), ("nvfp4", 0, "dense"),
+@pytest.mark.parametrize("quant,seed,geom", [("fp8", 0, "dense"), ("fp8", 1, "dense"), ("fp8-ct", 2, "dense"),
+                                             ("nvfp4", 0, "dense"),
                                              ("nvfp4", 2, "dense"), ("nvfp4-modelopt", 1, "dense"),
                                              ("fp8", 3, "hybrid"), ("nvfp4", 4, "hybrid")])
 def test_greedy_equals_dequantized_checkpoint(ckpt, tmp_path: Path, quant: str, seed: int, geom: str) -> None:

@@ -29,7 +29,13 @@ REFUSED = [
     ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size=[64, 64]"),
     ({"quant_method": "compressed-tensors", "format": "int-quantized",
       "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int"}}}}, "format int-quantized"),
-    ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "format float-quantized"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "without config_groups"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {"weights": {
+        "num_bits": 8, "type": "float", "strategy": "channel"}}}}, "float-quantized group g"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {"weights": {
+        "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}},
+     "static input_activations"),
     ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
       "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float", "group_size": 32}}}}, "group g"),
     ({"quant_method": "modelopt", "quant_algo": "FP8"}, "quant_algo='FP8'"),
@@ -84,7 +90,7 @@ def test_truncated_scale_tensor_is_refused(tmp_path: Path, quant: str, tensor: s
     assert tensor in str(e.value) and "needs" in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("quant", ["fp8", "nvfp4", "nvfp4-modelopt"])
+@pytest.mark.parametrize("quant", ["fp8", "fp8-ct", "nvfp4", "nvfp4-modelopt"])
 @pytest.mark.parametrize("geom", ["dense", "hybrid"])
 def test_planned_weight_bytes_equal_the_loaded_model(tmp_path: Path, quant: str, geom: str) -> None:
     g = DENSE if geom == "dense" else HYBRID
@@ -99,7 +105,7 @@ def test_planned_weight_bytes_equal_the_loaded_model(tmp_path: Path, quant: str,
     v, h = cfg.vocab_size, cfg.hidden_size
     linears = dense - 2 * (2 * v * h)
     ratio = (held - 2 * (2 * v * h)) / linears
-    lo, hi = (0.5, 0.56) if quant == "fp8" else (0.28, 0.34)
+    lo, hi = (0.5, 0.56) if quant.startswith("fp8") else (0.28, 0.34)
     assert lo < ratio < hi, ratio
 
 

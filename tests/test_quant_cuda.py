@@ -15,7 +15,7 @@ from tests.test_quant_checkpoints import HYBRID, _greedy, ckpt, dense_copy  # no
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("quant", ["fp8", "nvfp4", "nvfp4-modelopt"])
+@pytest.mark.parametrize("quant", ["fp8", "fp8-ct", "nvfp4", "nvfp4-modelopt"])
 @pytest.mark.parametrize("rows", [1, 7, 300])
 def test_kernels_match_dequantized_matmul(ckpt, quant: str, rows: int) -> None:
     model = load_model(ckpt(quant, 5, "dense"), dtype="bf16", device="cuda", progress=False)

@@ -6,6 +6,8 @@ Supported (weight-only compute: activations stay in the model dtype):
   `weight` float8_e4m3fn [N, K] and `weight_scale_inv` fp32 [ceil(N/128), ceil(K/128)];
   w = weight * weight_scale_inv (the name notwithstanding, it multiplies).
   `modules_to_not_convert` entries match as substrings of the module name, as transformers does.
+* `compressed-tensors`, format `float-quantized` with 128x128 block weights (llm-compressor's
+  FP8_BLOCK): `weight` float8_e4m3fn and `weight_scale` [ceil(N/128), ceil(K/128)]; w = weight * weight_scale.
 * `compressed-tensors`, format `nvfp4-pack-quantized`: `weight_packed` uint8 [N, K/2] (two e2m1 per
   byte, low nibble = even column), `weight_scale` float8_e4m3fn [N, K/16], `weight_global_scale`
   fp32 [1]; w = e2m1 * weight_scale / weight_global_scale. `ignore` entries are module names or
@@ -24,7 +26,8 @@ from typing import Any
 from ninfer.model_config import ConfigError
 
 SUPPORTED = ("fp8 (HF fine-grained, e4m3, weight_block_size [128, 128])",
-             "compressed-tensors nvfp4-pack-quantized", "modelopt NVFP4")
+             "compressed-tensors float-quantized 128x128 blocks", "compressed-tensors nvfp4-pack-quantized",
+             "modelopt NVFP4")
 FP8_BLOCK = 128
 NVFP4_GROUP = 16
 
@@ -40,13 +43,14 @@ def _refuse(what: str) -> QuantConfigError:
 @dataclass(frozen=True)
 class QuantConfig:
     method: str                      # "fp8" | "nvfp4"
-    layout: str                      # "hf-fp8" | "compressed-tensors" | "modelopt"
+    layout: str                      # "hf-fp8" | "ct-fp8" | "compressed-tensors" | "modelopt"
     ignore: tuple[str, ...] = ()
     targets: tuple[str, ...] = ("Linear",)
 
     @property
     def name(self) -> str:
-        return {"hf-fp8": "fp8 block 128x128", "compressed-tensors": "nvfp4 (compressed-tensors)",
+        return {"hf-fp8": "fp8 block 128x128", "ct-fp8": "fp8 block 128x128 (compressed-tensors)",
+                "compressed-tensors": "nvfp4 (compressed-tensors)",
                 "modelopt": "nvfp4 (modelopt)"}[self.layout]
 
     def is_quantized(self, module: str) -> bool:
@@ -63,7 +67,7 @@ class QuantConfig:
 
     def tensor_names(self) -> tuple[str, str, str | None]:
         """(packed weight, scale, per-part global) tensor names of a quantized linear."""
-        return {"hf-fp8": ("weight", "weight_scale_inv", None),
+        return {"hf-fp8": ("weight", "weight_scale_inv", None), "ct-fp8": ("weight", "weight_scale", None),
                 "compressed-tensors": ("weight_packed", "weight_scale", "weight_global_scale"),
                 "modelopt": ("weight", "weight_scale", "weight_scale_2")}[self.layout]
 
@@ -91,19 +95,33 @@ def _compressed_tensors(q: dict[str, Any]) -> QuantConfig:
     fmt = q.get("format")
     groups = q.get("config_groups") or {}
     formats = {g.get("format") or fmt for g in groups.values()} or {fmt}
-    if formats != {"nvfp4-pack-quantized"}:
+    fp8 = formats == {"float-quantized"}
+    if not groups:
+        raise _refuse(f"compressed-tensors format {fmt} without config_groups")
+    if formats != {"nvfp4-pack-quantized"} and not fp8:
         raise _refuse(f"compressed-tensors format {'/'.join(sorted(map(str, formats)))}")
     targets: list[str] = []
     for name, g in groups.items():
         w = g.get("weights") or {}
-        got = (w.get("num_bits"), w.get("type"), w.get("group_size"), w.get("symmetric", True))
-        if got != (4, "float", NVFP4_GROUP, True):
-            raise _refuse(f"compressed-tensors group {name} with weights num_bits/type/group_size/symmetric={got}")
+        if fp8:
+            got = (w.get("num_bits"), w.get("type"), w.get("strategy"), list(w.get("block_structure") or []),
+                   w.get("symmetric", True))
+            if got != (8, "float", "block", [FP8_BLOCK, FP8_BLOCK], True):
+                raise _refuse(f"compressed-tensors float-quantized group {name} with weights "
+                              f"num_bits/type/strategy/block_structure/symmetric={got}")
+            act = g.get("input_activations") or {}
+            if act and not act.get("dynamic", False):
+                raise _refuse(f"compressed-tensors float-quantized group {name} with static input_activations")
+        else:
+            got = (w.get("num_bits"), w.get("type"), w.get("group_size"), w.get("symmetric", True))
+            if got != (4, "float", NVFP4_GROUP, True):
+                raise _refuse(f"compressed-tensors group {name} with weights num_bits/type/group_size/symmetric={got}")
         targets += g.get("targets") or []
     status = q.get("quantization_status", "compressed")
     if status != "compressed":
         raise _refuse(f"compressed-tensors quantization_status={status!r} (only compressed checkpoints load)")
-    return QuantConfig("nvfp4", "compressed-tensors", tuple(q.get("ignore") or ()), tuple(targets) or ("Linear",))
+    return QuantConfig("fp8" if fp8 else "nvfp4", "ct-fp8" if fp8 else "compressed-tensors",
+                       tuple(q.get("ignore") or ()), tuple(targets) or ("Linear",))
 
 
 def _modelopt(q: dict[str, Any]) -> QuantConfig:

@@ -1,7 +1,8 @@
 """Writing quantized checkpoints from dense weights (ninfer/tools/random_checkpoint.py --quant):
 the config entry of each layout, which tensors replace a linear's `weight`, and their values.
 
-Layouts: `fp8` (HF fine-grained, 128x128 blocks), `nvfp4` (compressed-tensors nvfp4-pack-quantized,
+Layouts: `fp8` (HF fine-grained, 128x128 blocks), `fp8-ct` (the same codes and scales as
+compressed-tensors' float-quantized FP8_BLOCK, scale named weight_scale), `nvfp4` (compressed-tensors nvfp4-pack-quantized,
 quantized by compressed-tensors' own compressor) and `nvfp4-modelopt` (the same codes and scales
 under ModelOpt's names, weight_scale_2 = 1 / global scale). lm_head and the GDN layers' small
 in_proj_a / in_proj_b stay in the model dtype, as releases keep such layers."""
@@ -15,7 +16,7 @@ import torch
 from ninfer.quant import codec
 from ninfer.quant.config import FP8_BLOCK, NVFP4_GROUP, QuantConfig, parse_quant_config
 
-QUANT_KINDS = ("fp8", "nvfp4", "nvfp4-modelopt")
+QUANT_KINDS = ("fp8", "fp8-ct", "nvfp4", "nvfp4-modelopt")
 _TAGS = {torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8", torch.float32: "F32", torch.bfloat16: "BF16",
          torch.float16: "F16"}
 
@@ -25,6 +26,15 @@ def quantization_config(kind: str) -> dict[str, Any]:
     if kind == "fp8":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": [FP8_BLOCK, FP8_BLOCK], "modules_to_not_convert": ["lm_head", "in_proj_a", "in_proj_b"]}
+    if kind == "fp8-ct":
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
+                   "block_structure": [FP8_BLOCK, FP8_BLOCK], "dynamic": False}
+        acts = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group", "group_size": FP8_BLOCK,
+                "dynamic": True}
+        group = {"targets": ["Linear"], "weights": weights, "input_activations": acts, "output_activations": None,
+                 "format": "float-quantized"}
+        return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+                "config_groups": {"group_0": group}, "ignore": ["lm_head", "re:.*in_proj_[ab]$"], "kv_cache_scheme": None}
     if kind == "nvfp4":
         weights = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": NVFP4_GROUP,
                    "strategy": "tensor_group", "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}

@@ -324,8 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config-only", action="store_true", help="write config.json and the tokenizer, no weights "
                    "(enough for `ninfer plan`)")
     p.add_argument("--quant", choices=writer.QUANT_KINDS, default=None,
-                   help="write the linears quantized: fp8 (128x128 blocks), nvfp4 (compressed-tensors), "
-                        "nvfp4-modelopt; lm_head and GDN in_proj_a/b stay in --dtype")
+                   help="write the linears quantized: fp8 (HF, 128x128 blocks), fp8-ct (compressed-tensors "
+                        "FP8_BLOCK), nvfp4 (compressed-tensors), nvfp4-modelopt; lm_head and GDN in_proj_a/b stay "
+                        "in --dtype")
     p.add_argument("--std", type=float, default=0.02)
     p.add_argument("--shard-gib", type=float, default=4.0)
     p.add_argument("--tokenizer-from", default="auto",
