@@ -29,14 +29,18 @@ def test_kernels_match_dequantized_matmul(ckpt, quant: str, rows: int) -> None:
         if ref is None:
             continue
         err = (got - ref).abs().max().item()
-        assert err <= 0.02 * ref.abs().max().item() + 1e-3, (m, err)
+        # bf16 activations; above 16 rows the FP8 GEMM also quantizes them (W8A8, 1/16 relative per value)
+        tol = 0.06 if quant.startswith("fp8") and rows > 16 else 0.01
+        assert err <= tol * ref.abs().max().item() + 1e-3, (m, err)
 
 
 @pytest.mark.parametrize("quant", ["fp8", "nvfp4"])
 def test_gpu_greedy_on_quantized_hybrid(ckpt, tmp_path: Path, quant: str) -> None:
     path = ckpt(quant, 6, "hybrid")
     prompts = [[5, 9, 33, 7, 100, 21], list(range(3, 40))]
-    tokens, _ = _greedy(path, prompts, device="cuda")
-    ref, _ = _greedy(dense_copy(path, tmp_path / "dense"), prompts, device="cuda")
-    agree = sum(a == b for t, r in zip(tokens, ref) for a, b in zip(t, r)) / sum(map(len, ref))
-    assert agree >= 0.75, (tokens, ref)  # bf16 activations in the GEMMs (and W8A8 for fp8 prefill)
+    tokens, logits = _greedy(path, prompts, device="cuda")
+    ref, ref_logits = _greedy(dense_copy(path, tmp_path / "dense"), prompts, device="cuda")
+    for a, b in zip(logits, ref_logits):  # the prefill's logits: later steps may follow different tokens
+        rel = ((a[0] - b[0]).abs().max() / b[0].abs().max()).item()
+        assert rel < 0.05, rel  # bf16 activations in the GEMMs (and W8A8 for the fp8 prefill)
+    assert [t[0] for t in tokens] == [r[0] for r in ref]
