@@ -8,6 +8,7 @@ CUDA: the Triton GEMMs of ninfer/kernels/{fp8,nvfp4}_gemm.py when importable, el
 dequantize-then-matmul."""
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import math
@@ -24,6 +25,7 @@ _KERNELS = {"fp8": ("ninfer.kernels.fp8_gemm", "fp8_block_linear"),
             "nvfp4": ("ninfer.kernels.nvfp4_gemm", "nvfp4_linear")}
 
 
+@functools.lru_cache(maxsize=None)  # decided once per process, warned about once
 def gpu_kernel(method: str):
     """The Triton GEMM for `method`, or None when its module is not there (dequantize-then-matmul)."""
     mod, fn = _KERNELS[method]
@@ -96,7 +98,7 @@ class QuantLinear(nn.Module):
                 out[f"{ck}.{self.wname}"] = (f"{mod_name}.{self.wname}",) + ((None, None) if single else (qrow, rows))
                 if self.qc.method == "fp8":
                     out[f"{ck}.{self.sname}"] = ((f"{mod_name}.{self.sname}", None, None) if single else
-                                                 (f"{mod_name}.{self.sname}", qrow // FP8_BLOCK, rows // FP8_BLOCK))
+                                                 (f"{mod_name}.{self.sname}", qrow // FP8_BLOCK, math.ceil(rows / FP8_BLOCK)))
                 else:
                     out[f"{ck}.{self.sname}"] = (f"{mod_name}.{self.sname}",) + ((None, None) if single else (qrow, rows))
                     out[f"{ck}.{self.gname}"] = (f"{mod_name}.{self.gname}_{qi}", None, None)
