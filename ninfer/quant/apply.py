@@ -7,7 +7,7 @@ from typing import Collection
 from torch import nn
 
 from ninfer.layers.linear import MergedLinear
-from ninfer.quant.config import QuantConfig
+from ninfer.quant.config import QuantConfig, QuantConfigError
 from ninfer.quant.linear import QuantLinear
 
 
@@ -17,6 +17,10 @@ def quantize_modules(model: nn.Module, qc: QuantConfig, present: Collection[str]
     `present` (the checkpoint's tensor names) overrides the config where they disagree: a part whose
     scale tensor is absent but whose dense weight is there (an lm_head a config forgot to exclude)
     loads dense, and a part with a scale tensor loads quantized."""
+    from ninfer.distributed import parallel_state as ps
+    if ps.tp_size() > 1:  # QuantLinear holds whole tensors; sharding its packed rows and scales is not built
+        raise QuantConfigError(f"quantized weights ({qc.name}) do not load with tensor parallelism yet "
+                               f"(tensor-parallel size {ps.tp_size()}); run them on one GPU")
     _, scale, _ = qc.tensor_names()
 
     def quantized(ck: str) -> bool:
