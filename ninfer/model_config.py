@@ -88,10 +88,16 @@ class ModelConfig:
         return emb + total + h + (0 if self.tie_word_embeddings else emb)
 
     def weight_bytes(self, dtype: str | None = None) -> int:
+        """Bytes of the weights at `dtype` (the activation dtype); a quantized checkpoint's linears
+        count at their packed size plus scales (ninfer/quant/size.py)."""
         name = dtype or self.torch_dtype
         if name not in dtypes.ALIASES:
             raise ConfigError(f"unknown weights dtype {name!r}; choose one of bf16, fp16, fp32")
-        return self.num_params() * dtypes.num_bytes(name)
+        from ninfer.quant import parse_quant_config
+        from ninfer.quant.size import weight_bytes
+        qc = parse_quant_config(self.raw)
+        act = dtypes.num_bytes(name)
+        return self.num_params() * act if qc is None else weight_bytes(self, qc, act)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -170,8 +176,15 @@ class ModelConfig:
             raise ConfigError(f"{p} is not a JSON object")
         if "text_config" in cfg and "hidden_size" not in cfg:
             # Multimodal wrappers keep the dtype (and sometimes tying) at the top level only.
-            outer = {k: cfg[k] for k in ("torch_dtype", "dtype", "tie_word_embeddings") if k in cfg}
+            outer = {k: cfg[k] for k in ("torch_dtype", "dtype", "tie_word_embeddings", "quantization_config")
+                     if k in cfg}
             cfg = {**outer, **cfg["text_config"], "architectures": cfg.get("architectures")}
+        ho = p.parent / "hf_quant_config.json"  # ModelOpt's own file, when config.json does not say
+        if "quantization_config" not in cfg and ho.is_file():
+            try:
+                cfg["quantization_config"] = {"quant_method": "modelopt", **json.loads(ho.read_text())}
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{ho} is not valid JSON: {e}") from e
         try:
             return cls.from_dict(cfg)
         except ConfigError as e:

@@ -129,7 +129,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"model: {args.model} ({model.architecture}) layers={model.num_layers} kv-layers={model.num_kv_layers} "
           f"kv-heads={model.num_kv_heads} head_dim={model.head_dim} params={model.num_params() / 1e9:.2f}B")
     wd = resolve_weights_dtype(args.weights_dtype, model)
-    print(f"weights: {format_bytes(model.weight_bytes(wd))} ({wd}, from the config's geometry)")
+    from ninfer.quant import parse_quant_config
+    qc = parse_quant_config(model.raw)
+    print(f"weights: {format_bytes(model.weight_bytes(wd))} ({wd}{f', linears {qc.name}' if qc else ''}, "
+          "from the config's geometry)")
     print(f"device memory: {format_bytes(args.memory * GiB)}{default}; max_context={ctx} "
           f"max_num_seqs={args.max_num_seqs} prefill_chunk={args.max_num_batched_tokens} "
           f"cuda_graphs={'off' if args.enforce_eager else 'on'}")

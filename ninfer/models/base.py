@@ -40,11 +40,11 @@ class CausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.model.embed_tokens.weight.dtype  # lm_head may be stored quantized
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.embed_tokens.weight.device
 
     def checkpoint_map(self) -> dict[str, tuple[str, int | None, int | None]]:
         """checkpoint tensor name -> (parameter name, first row, rows); rows None = the whole
@@ -52,7 +52,10 @@ class CausalLM(nn.Module):
         out: dict[str, tuple[str, int | None, int | None]] = {}
         merged: set[str] = set()
         for mod_name, mod in self.named_modules():
-            if isinstance(mod, MergedLinear):
+            if hasattr(mod, "checkpoint_entries"):  # a quantized linear (ninfer/quant) names its own tensors
+                out.update(mod.checkpoint_entries(mod_name))
+                merged.update(f"{mod_name}.{p}" for p, _ in mod.named_parameters())
+            elif isinstance(mod, MergedLinear):
                 parent = mod_name.rsplit(".", 1)[0]
                 for part, (start, rows) in mod.part_rows().items():
                     for kind in ("weight", "bias") if mod.bias is not None else ("weight",):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -12,7 +13,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from ninfer import dtypes
+from ninfer import dtypes, quant
 from ninfer.layers.rotary import apply_rope_overrides
 from ninfer.model_config import ModelConfig
 from ninfer.models.base import CausalLM
@@ -66,6 +67,18 @@ def checkpoint_files(model_dir: Path) -> tuple[list[Path], dict[str, Path] | Non
     return files, None
 
 
+def tensor_names(model_dir: Path) -> set[str]:
+    """Every tensor name of the checkpoint (the index, or the files' headers)."""
+    files, index = checkpoint_files(model_dir)
+    if index is not None:
+        return set(index)
+    names: set[str] = set()
+    for path in files:
+        with _open(path) as f:
+            names.update(f.keys())
+    return names
+
+
 def _open(path: Path) -> Any:
     try:
         return safe_open(str(path), framework="pt", device="cpu")
@@ -102,11 +115,16 @@ def load_weights(model: CausalLM, model_dir: Path, *, progress: bool = True) -> 
                     expected = tuple(param.shape) if rows is None else (rows, *param.shape[1:])
                     try:
                         shape = tuple(f.get_slice(name).get_shape())
-                        if shape != expected:
+                        if shape != expected and not (math.prod(shape) == 1 == math.prod(expected)):
                             raise CheckpointError(
                                 f"{path}: tensor {name} has shape {list(shape)}, but the config "
                                 f"({model.config.architecture}) needs {list(expected)}")
                         tensor = f.get_tensor(name)
+                        if tensor.dtype in (torch.float8_e4m3fn, torch.uint8) and param.dtype != tensor.dtype:
+                            raise CheckpointError(
+                                f"{path}: tensor {name} is {tensor.dtype} (quantized) but loads into a "
+                                f"{param.dtype} weight: its scale tensors are missing, or config.json does "
+                                f"not declare the quantization")
                     except CheckpointError:
                         raise
                     except Exception as e:
@@ -114,7 +132,7 @@ def load_weights(model: CausalLM, model_dir: Path, *, progress: bool = True) -> 
                                               "(truncated or corrupt safetensors file?)") from e
                     with torch.no_grad():
                         target = param if rows is None else param[start:start + rows]
-                        target.copy_(tensor)
+                        target.copy_(tensor.reshape(target.shape))  # a scalar scale may be [] or [1]
                     loaded[name] = path
                     bar.update(1)
     finally:
@@ -127,7 +145,8 @@ def load_weights(model: CausalLM, model_dir: Path, *, progress: bool = True) -> 
                               f"; looked in {where}")
     # a tied checkpoint may still carry lm_head.weight; HF keeps rotary buffers in old checkpoints
     unexpected = [n for n in ignored if not (n == "lm_head.weight" and model.config.tie_word_embeddings)
-                  and not n.endswith("rotary_emb.inv_freq") and not n.startswith(model.checkpoint_ignore)]
+                  and not n.endswith("rotary_emb.inv_freq") and not n.startswith(model.checkpoint_ignore)
+                  and not n.endswith(quant.UNUSED_SUFFIXES)]
     if unexpected:
         log.warning("%s: ignored %d checkpoint tensors the model does not use, e.g. %s",
                     model_dir, len(unexpected), unexpected[:3])
@@ -156,16 +175,23 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     model_cls = get_model_class(cfg.architecture)
     torch_dtype = resolve_dtype(dtype, cfg)
     dev = resolve_device(device)
+    qc = quant.parse_quant_config(cfg.raw)  # refuses an unsupported scheme before anything is built
     checkpoint_files(model_dir)  # fail on a broken directory before allocating anything
     # Build on the meta device (no random init of big matrices), then allocate for real.
     with torch.device("meta"):
-        model = model_cls(cfg)
-    model = model.to(dtype=torch_dtype).to_empty(device=dev)
+        model = model_cls(cfg).to(dtype=torch_dtype)
+        if qc is not None:  # after the cast, which would turn fp8 weights into the activation dtype
+            quant.quantize_modules(model, qc, tensor_names(model_dir))
+    model = model.to_empty(device=dev)
     model.tie_weights()  # to_empty gives each module its own new tensor; share again
     load_weights(model, model_dir, progress=progress)
     model.eval().requires_grad_(False)
+    if qc is not None:
+        quant.finalize(model)
     model.place(dev)
     log.info("%s", model.describe())
+    if qc is not None:
+        log.info("%s", quant.describe(model, qc))
     return model
 
 

@@ -4,6 +4,7 @@
     python -m ninfer.tools.random_checkpoint --preset seed-d256 --out /tmp/seed-d256-random
     python -m ninfer.tools.random_checkpoint --preset seed-hybrid --out /tmp/seed-hybrid-random
     python -m ninfer.tools.random_checkpoint --preset qwen3-8b --set num_hidden_layers=2 --device cpu --out DIR
+    python -m ninfer.tools.random_checkpoint --preset qwen3-8b --quant fp8 --out /tmp/qwen3-8b-fp8   # or nvfp4
 
 No transformers model is instantiated: every tensor is drawn with torch.randn on the device, copied
 to the host and appended to its safetensors shard, one at a time, so host memory stays at one
@@ -35,6 +36,7 @@ import torch
 
 from ninfer import dtypes
 from ninfer.config import DEFAULT_MODEL_DIR
+from ninfer.quant import writer
 
 GiB = 1 << 30
 # Qwen3-8B's geometry (its max_position raised so 1M-token sweeps run without a rope warning).
@@ -143,11 +145,25 @@ def tensor_specs(g: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...], floa
         yield "lm_head.weight", (g["vocab_size"], h), None
 
 
-def _shards(specs: list[tuple[str, tuple[int, ...], float | None]], itemsize: int, shard_bytes: int) -> list[list]:
+def _layout(spec: tuple[str, tuple[int, ...], float | None], dtype: torch.dtype,
+            qc: Any) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The tensors written for one spec: itself, or its quantized form (ninfer/quant/writer.py)."""
+    name, shape, fill = spec
+    if qc is not None and fill is None and writer.is_quantized(qc, name, shape):
+        return writer.tensor_layout(qc, name, shape)
+    return [(name, dtype, shape)]
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _shards(specs: list[tuple[str, tuple[int, ...], float | None]], dtype: torch.dtype, shard_bytes: int,
+            qc: Any = None) -> list[list]:
     shards: list[list] = [[]]
     size = 0
     for spec in specs:
-        n = math.prod(spec[1]) * itemsize
+        n = sum(_nbytes(shp, dt) for _, dt, shp in _layout(spec, dtype, qc))
         if shards[-1] and size + n > shard_bytes:
             shards.append([])
             size = 0
@@ -157,29 +173,31 @@ def _shards(specs: list[tuple[str, tuple[int, ...], float | None]], itemsize: in
 
 
 def _write_shard(path: Path, specs: list, dtype: torch.dtype, device: torch.device, gen: torch.Generator,
-                 std: float) -> int:
+                 std: float, qc: Any = None) -> int:
     """The safetensors layout (8-byte header length, JSON header, raw little-endian data), written
-    header first and then tensor by tensor as each is drawn on the device."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    header first and then tensor by tensor as each is drawn on the device (and quantized there)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     off = 0
-    for name, shape, _ in specs:
-        n = math.prod(shape) * itemsize
-        tag = dtypes.SAFETENSORS_TAGS[dtypes.canonical(dtype)]
-        header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [off, off + n]}
-        off += n
+    for spec in specs:
+        for name, dt, shape in _layout(spec, dtype, qc):
+            n = _nbytes(shape, dt)
+            header[name] = {"dtype": writer.safetensors_tag(dt), "shape": list(shape), "data_offsets": [off, off + n]}
+            off += n
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for name, shape, fill in specs:
+        for spec in specs:
+            name, shape, fill = spec
             if fill is not None:
                 t = torch.full(shape, fill, dtype=dtype, device=device)
             else:
                 t = torch.randn(shape, generator=gen, dtype=torch.float32, device=device).mul_(std).to(dtype)
-            f.write(t.cpu().contiguous().view(torch.uint8).numpy().data)
-            del t
+            parts = writer.quantize(qc, t) if len(_layout(spec, dtype, qc)) > 1 else [t]
+            for part in parts:
+                f.write(part.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            del t, parts
     return off
 
 
@@ -216,31 +234,33 @@ def write_random_checkpoint(out_dir: str | Path, preset: str | dict[str, Any] = 
                             dtype: str | torch.dtype = "bf16", device: str = "auto", seed: int = 0,
                             std: float = 0.02, shard_bytes: int = 4 * GiB, tokenizer: str | Path | None = "auto",
                             overrides: dict[str, Any] | None = None, progress: bool = False,
-                            config_only: bool = False) -> Path:
+                            config_only: bool = False, quant: str | None = None) -> Path:
     """Write a random-weight Qwen3ForCausalLM checkpoint (Qwen3_5ForCausalLM for the hybrid presets)
     of `preset` (a name in PRESETS or a dict of HF config fields) to out_dir and return it.
-    `overrides` replace geometry fields; `config_only` writes no weights (enough for `ninfer plan`)."""
+    `overrides` replace geometry fields; `config_only` writes no weights (enough for `ninfer plan`);
+    `quant` (fp8, nvfp4, nvfp4-modelopt) writes the linears quantized from the same random weights."""
     g = geometry(preset, **(overrides or {}))
+    qc = writer.quant_config(quant) if quant else None
     tdtype = dtypes.to_torch(dtype)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for old in list(out.glob("*.safetensors")) + [out / "model.safetensors.index.json"]:
+    for old in list(out.glob("*.safetensors")) + [out / "model.safetensors.index.json", out / "hf_quant_config.json"]:
         old.unlink(missing_ok=True)  # a rewrite with fewer shards must not leave stale ones behind
     tok = write_tokenizer(out, tokenizer)
     if g["vocab_size"] < len(tok):
         raise ValueError(f"vocab_size={g['vocab_size']} is smaller than the tokenizer's {len(tok)} tokens")
     gen = torch.Generator(device=dev).manual_seed(seed)
     specs = list(tensor_specs(g))
-    shards = _shards(specs, torch.empty((), dtype=tdtype).element_size(), shard_bytes)
+    shards = _shards(specs, tdtype, shard_bytes, qc)
     weight_map: dict[str, str] = {}
     total = 0
     t0 = time.perf_counter()
     for k, shard in enumerate([] if config_only else shards):  # config_only: for `ninfer plan`
         fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        total += _write_shard(out / fname, shard, tdtype, dev, gen, std)
-        weight_map.update({name: fname for name, _, _ in shard})
+        total += _write_shard(out / fname, shard, tdtype, dev, gen, std, qc)
+        weight_map.update({name: fname for spec in shard for name, _, _ in _layout(spec, tdtype, qc)})
         if progress:
             print(f"  {fname}: {total / GiB:.2f} GiB in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if not config_only:
@@ -266,8 +286,14 @@ def write_random_checkpoint(out_dir: str | Path, preset: str | dict[str, Any] = 
         "layer_types": layer_types(g), "use_sliding_window": False,
         "sliding_window": None, "rms_norm_eps": 1e-6, "attention_bias": False, "attention_dropout": 0.0,
         "initializer_range": std, "use_cache": True, "torch_dtype": dname, "dtype": dname, **ids,
-        "ninfer_random_checkpoint": {"seed": seed, "std": std, "preset": preset if isinstance(preset, str) else "custom"},
+        "ninfer_random_checkpoint": {"seed": seed, "std": std, "preset": preset if isinstance(preset, str) else "custom",
+                                     "quant": quant},
+        **({"quantization_config": writer.quantization_config(quant)} if quant else {}),
     }
+    if quant == "nvfp4-modelopt":  # ModelOpt's exporter writes its own file beside config.json
+        mo = {k: v for k, v in config["quantization_config"].items() if k != "quant_method"}
+        (out / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": mo},
+                                                             indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({k: v for k, v in ids.items() if v is not None}) + "\n")
     if progress:
@@ -297,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--config-only", action="store_true", help="write config.json and the tokenizer, no weights "
                    "(enough for `ninfer plan`)")
+    p.add_argument("--quant", choices=writer.QUANT_KINDS, default=None,
+                   help="write the linears quantized: fp8 (HF, 128x128 blocks), fp8-ct (compressed-tensors "
+                        "FP8_BLOCK), nvfp4 (compressed-tensors), nvfp4-modelopt; lm_head and GDN in_proj_a/b stay "
+                        "in --dtype")
     p.add_argument("--std", type=float, default=0.02)
     p.add_argument("--shard-gib", type=float, default=4.0)
     p.add_argument("--tokenizer-from", default="auto",
@@ -305,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     write_random_checkpoint(a.out, a.preset, dtype=a.dtype, device=a.device, seed=a.seed, std=a.std,
                             shard_bytes=int(a.shard_gib * GiB), overrides=dict(a.overrides), progress=True,
-                            config_only=a.config_only,
+                            config_only=a.config_only, quant=a.quant,
                             tokenizer=None if a.tokenizer_from == "byte" else a.tokenizer_from)
     return 0
 
