@@ -1,0 +1,249 @@
+"""Tensor-parallel model forward on the CPU: two ranks over gloo (spawned processes, a free TCP
+port) against the same model in one process, fp32, on transformers-written random checkpoints:
+Qwen3 (GQA, an odd vocabulary, so the last rank's vocabulary rows are padding), Llama with tied
+embeddings, and a Qwen3.5 hybrid (GDN + gated attention). One varlen prefill step of three
+sequences, a step mixing a prefill continuation with decodes, then decode steps, through the
+reference backend over real KV pages in several formats. Every rank's logits (full vocabulary)
+must equal the single-process ones; a rank holding another rank's shard of one tensor must not.
+Each rank holds only its shard: its parameter count is the planner's per-rank arithmetic."""
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.tiny_models import build_metadata, make_checkpoint, make_hybrid_checkpoint
+
+WORLD = 2
+PAGE = 16
+JOIN_TIMEOUT_S = 120
+FORMATS = ("auto", "bf16", "int8", "rk4v4-e8")
+# fp32 model and KV: only the order of the all_reduce sums differs
+EXACT_RTOL = 1e-5
+# quantized KV: a value on a rounding boundary may take the neighbouring code after a last-bit
+# change (measured: at most 1.1e-4); a wrong shard is off by ~1 (test_another_ranks_shard_is_caught)
+QUANT_RTOL = 2e-3
+# one tensor of layer 0 exchanged between the ranks
+SWAP = {"qwen3": "model.layers.0.self_attn.qkv_proj.weight", "llama": "model.layers.0.mlp.gate_up_proj.weight",
+        "hybrid": "model.layers.0.linear_attn.in_proj.weight"}
+SEEDS = (7, 8)
+LENS = (37, 20, 9)  # prompt lengths; step 1 prefills 25 / 20 / 9 tokens, step 2 the rest of the first
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@torch.no_grad()
+def run_job(path: str, kv_dtype: str, swap: str | None) -> dict[str, Any]:
+    """The logits of every step of the schedule, this rank's parameter count and embedding rows."""
+    from ninfer.attention.reference import ReferenceAttentionBackend
+    from ninfer.distributed import parallel_state as ps
+    from ninfer.kvcache.formats import get_format
+    from ninfer.kvcache.pool import KVCachePool
+    from ninfer.models import load_model
+
+    model = load_model(path, dtype="fp32", progress=False)
+    params = dict(model.named_parameters())
+    if swap:  # this rank computes with the other rank's shard of one tensor
+        p = params[swap]
+        p.copy_(ps.all_gather(p[None].clone(), dim=0)[1 - ps.tp_rank()])
+    spec = model.cache_specs(get_format(kv_dtype))
+    out = []
+    for seed in SEEDS:  # a fresh pool each: stale pages and states must not matter
+        backend = ReferenceAttentionBackend(KVCachePool.from_spec(spec, 16, 4, "cpu", model.dtype, page_size=PAGE))
+        out += _schedule(model, backend, seed)
+    return {"logits": torch.cat(out), "params": sum(p.numel() for p in params.values()),
+            "embed_rows": model.model.embed_tokens.weight.shape[0]}
+
+
+def _schedule(model: Any, backend: Any, seed: int) -> list[torch.Tensor]:
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, vocab, (n + 4,), generator=gen) for n in LENS]  # 4 more tokens: the decodes
+    first_pages, slots = [0, 4, 8], [2, 0, 3]
+    done = [0, 0, 0]
+    steps = [[25, 20, 9], [12, 1, 1], [1, 1, 1], [1, 1, 1]]
+    out = []
+    for q_lens in steps:
+        meta = build_metadata(q_lens, [d + n for d, n in zip(done, q_lens)], PAGE, first_pages)
+        meta.state_slots = torch.tensor(slots, dtype=torch.int32)
+        meta.has_initial_state = torch.tensor([d > 0 for d in done])
+        ids = torch.cat([s[d:d + n] for s, d, n in zip(seqs, done, q_lens)])
+        positions = torch.cat([torch.arange(d, d + n) for d, n in zip(done, q_lens)])
+        out.append(model.compute_logits(model(ids, positions, meta, backend)))
+        done = [d + n for d, n in zip(done, q_lens)]
+    return out
+
+
+def _worker(rank: int, port: int, jobs: list[tuple[str, str, str, str | None]], out: str) -> None:
+    from ninfer.distributed import parallel_state as ps
+    torch.set_num_threads(1)
+    ps.init_tp(rank, WORLD, f"tcp://127.0.0.1:{port}", timeout_s=60)
+    try:
+        torch.save({key: run_job(path, fmt, swap) for key, path, fmt, swap in jobs}, f"{out}/rank{rank}.pt")
+    finally:
+        ps.destroy_tp()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(jobs: list[tuple[str, str, str, str | None]], out: Path) -> list[dict[str, Any]]:
+    """Every job on WORLD spawned ranks; each rank's results. A rank that hangs is killed."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, jobs, str(out)), daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(JOIN_TIMEOUT_S)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    assert not hung, f"ranks {hung} did not finish within {JOIN_TIMEOUT_S} s"
+    codes = [p.exitcode for p in procs]
+    assert codes == [0] * WORLD, f"rank exit codes {codes}"
+    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("tp")
+    return {
+        "qwen3": make_checkpoint(d, arch="qwen3", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64,
+                                 vocab=389),
+        "llama": make_checkpoint(d, arch="llama", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64,
+                                 tie_word_embeddings=True),
+        "hybrid": make_hybrid_checkpoint(d, layer_types=("linear", "full", "linear"), heads=4, kv_heads=2,
+                                         head_dim=128, linear_k_heads=2, linear_v_heads=4),
+    }
+
+
+@pytest.fixture(scope="module")
+def results(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+    """(single-process results, every rank's results), by (model, format[, 'swap'])."""
+    jobs = [(f"{m}/{f}", str(p), f, None) for m, p in checkpoints.items() for f in FORMATS]
+    jobs += [(f"{m}/auto/swap", str(p), "auto", SWAP[m]) for m, p in checkpoints.items()]
+    single = {key: run_job(path, fmt, None) for key, path, fmt, swap in jobs if swap is None}
+    return single, run_ranks(jobs, tmp_path_factory.mktemp("tp-out"))
+
+
+@pytest.mark.parametrize("model", ["qwen3", "llama", "hybrid"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_two_ranks_match_one_process(results, model: str, fmt: str) -> None:
+    single, ranks = results
+    ref = single[f"{model}/{fmt}"]["logits"]
+    if model == "qwen3":  # 389 rows: rank 1 holds 194 and one padding row, whose logit is dropped
+        assert ref.shape[1] == 389
+    tol = EXACT_RTOL if fmt == "auto" else QUANT_RTOL
+    for r, got in enumerate(ranks):
+        logits = got[f"{model}/{fmt}"]["logits"]
+        assert logits.shape == ref.shape and logits.dtype == torch.float32
+        err = _rel(logits, ref)
+        assert err < tol, f"rank {r}: {model} {fmt} logits differ by {err:.2e} (relative), tolerance {tol:.0e}"
+
+
+@pytest.mark.parametrize("model", ["qwen3", "llama", "hybrid"])
+def test_another_ranks_shard_is_caught(results, model: str) -> None:
+    """The tolerance above would fail a wrong shard: one tensor exchanged between ranks."""
+    single, ranks = results
+    ref = single[f"{model}/auto"]["logits"]
+    for got in ranks:
+        assert _rel(got[f"{model}/auto/swap"]["logits"], ref) > 50 * QUANT_RTOL
+
+
+@pytest.mark.parametrize("model", ["qwen3", "llama", "hybrid"])
+def test_each_rank_holds_its_shard(results, checkpoints: dict[str, Path], model: str) -> None:
+    from ninfer.layers.tp_geometry import shard_param_count, vocab_shard
+    from ninfer.model_config import ModelConfig
+    cfg = ModelConfig.load(checkpoints[model])
+    single, ranks = results
+    assert single[f"{model}/auto"]["params"] == cfg.num_params()
+    for got in ranks:
+        assert got[f"{model}/auto"]["params"] == shard_param_count(cfg, WORLD) < cfg.num_params()
+        assert got[f"{model}/auto"]["embed_rows"] == vocab_shard(cfg.vocab_size, WORLD)
+
+
+# ---- in one process: a rank's construction and loading need no collective, so the group's size
+# and rank are set by hand
+
+@pytest.fixture
+def as_rank(monkeypatch: pytest.MonkeyPatch):
+    from ninfer.distributed import parallel_state as ps
+
+    def set_rank(rank: int, size: int) -> None:
+        monkeypatch.setattr(ps, "_RANK", rank)
+        monkeypatch.setattr(ps, "_SIZE", size)
+    return set_rank
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_refusals_name_the_numbers(tiny_checkpoint, tmp_path: Path, as_rank) -> None:
+    import json
+
+    from ninfer.layers.tp_geometry import check_tensor_parallel
+    from ninfer.model_config import ConfigError, ModelConfig
+    from ninfer.models import CheckpointError, load_model
+    qwen3_8b = ModelConfig.from_dict(dict(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
+                                          intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                                          num_key_value_heads=8, head_dim=128))
+    with pytest.raises(ConfigError, match="^tensor-parallel-size 3 does not divide the 8 KV heads of Qwen3-8B$"):
+        check_tensor_parallel(qwen3_8b, 3, "Qwen3-8B")
+    with pytest.raises(ConfigError, match="tensor-parallel-size 16 exceeds the 8 KV heads of Qwen3-8B.*at most 8"):
+        check_tensor_parallel(qwen3_8b, 16, "Qwen3-8B")
+    check_tensor_parallel(qwen3_8b, 8, "Qwen3-8B")
+    path = tiny_checkpoint(heads=4, kv_heads=2, head_dim=64)
+    as_rank(0, 4)
+    with pytest.raises(ConfigError, match=f"tensor-parallel-size 4 exceeds the 2 KV heads of {path.name}"):
+        load_model(path, progress=False)
+    quant = _copy(path, tmp_path / "fp8")
+    cfg = json.loads((quant / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (quant / "config.json").write_text(json.dumps(cfg))
+    as_rank(1, 2)
+    with pytest.raises(CheckpointError, match="^fp8: fp8 weights cannot be split across ranks; "
+                                              "tensor-parallel-size 2 needs a bf16/fp16/fp32 checkpoint$"):
+        load_model(quant, progress=False)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "shape", "missing"])
+def test_a_rank_names_a_damaged_tensor(tiny_checkpoint, tmp_path: Path, as_rank, damage: str) -> None:
+    """A rank reads slices, not whole tensors: the loader's messages for damaged checkpoints stay."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from ninfer.models import CheckpointError, load_model
+    path = _copy(tiny_checkpoint(heads=4, kv_heads=2, head_dim=64), tmp_path / "m")
+    f = path / "model.safetensors"
+    tensors = load_file(str(f))
+    if damage == "truncate":
+        os.truncate(f, f.stat().st_size - 100)
+        match = r"model\.safetensors.*truncated"
+    elif damage == "shape":
+        name = "model.layers.0.self_attn.o_proj.weight"
+        tensors[name] = tensors[name][:, :-8].contiguous()
+        save_file(tensors, str(f), metadata={"format": "pt"})
+        match = rf"model\.safetensors: tensor {name} has shape \[64, 248\].*\[64, 256\]"
+    else:
+        tensors.pop("model.layers.1.self_attn.k_proj.weight")
+        save_file(tensors, str(f), metadata={"format": "pt"})
+        match = r"missing tensor model\.layers\.1\.self_attn\.k_proj\.weight"
+    as_rank(1, 2)
+    with pytest.raises(CheckpointError, match=match):
+        load_model(path, progress=False)
