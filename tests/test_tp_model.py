@@ -39,7 +39,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def run_job(path: str, kv_dtype: str, swap: str | None) -> dict[str, Any]:
+def run_job(path: str, kv_dtype: str, swap: str | None, device: str = "cpu") -> dict[str, Any]:
     """The logits of every step of the schedule, this rank's parameter count and embedding rows."""
     from ninfer.attention.reference import ReferenceAttentionBackend
     from ninfer.distributed import parallel_state as ps
@@ -47,7 +47,7 @@ def run_job(path: str, kv_dtype: str, swap: str | None) -> dict[str, Any]:
     from ninfer.kvcache.pool import KVCachePool
     from ninfer.models import load_model
 
-    model = load_model(path, dtype="fp32", progress=False)
+    model = load_model(path, dtype="fp32", device=device, progress=False)
     params = dict(model.named_parameters())
     if swap:  # this rank computes with the other rank's shard of one tensor
         p = params[swap]
@@ -55,16 +55,17 @@ def run_job(path: str, kv_dtype: str, swap: str | None) -> dict[str, Any]:
     spec = model.cache_specs(get_format(kv_dtype))
     out = []
     for seed in SEEDS:  # a fresh pool each: stale pages and states must not matter
-        backend = ReferenceAttentionBackend(KVCachePool.from_spec(spec, 16, 4, "cpu", model.dtype, page_size=PAGE))
+        backend = ReferenceAttentionBackend(KVCachePool.from_spec(spec, 16, 4, device, model.dtype, page_size=PAGE))
         out += _schedule(model, backend, seed)
-    return {"logits": torch.cat(out), "params": sum(p.numel() for p in params.values()),
+    return {"logits": torch.cat(out).cpu(), "params": sum(p.numel() for p in params.values()),
             "embed_rows": model.model.embed_tokens.weight.shape[0]}
 
 
 def _schedule(model: Any, backend: Any, seed: int) -> list[torch.Tensor]:
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
-    seqs = [torch.randint(0, vocab, (n + 4,), generator=gen) for n in LENS]  # 4 more tokens: the decodes
+    dev = model.device
+    seqs = [torch.randint(0, vocab, (n + 4,), generator=gen).to(dev) for n in LENS]  # 4 more tokens: decodes
     first_pages, slots = [0, 4, 8], [2, 0, 3]
     done = [0, 0, 0]
     steps = [[25, 20, 9], [12, 1, 1], [1, 1, 1], [1, 1, 1]]
@@ -73,19 +74,24 @@ def _schedule(model: Any, backend: Any, seed: int) -> list[torch.Tensor]:
         meta = build_metadata(q_lens, [d + n for d, n in zip(done, q_lens)], PAGE, first_pages)
         meta.state_slots = torch.tensor(slots, dtype=torch.int32)
         meta.has_initial_state = torch.tensor([d > 0 for d in done])
+        if dev.type != "cpu":
+            for f in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables", "state_slots",
+                      "has_initial_state"):
+                setattr(meta, f, getattr(meta, f).to(dev))
         ids = torch.cat([s[d:d + n] for s, d, n in zip(seqs, done, q_lens)])
-        positions = torch.cat([torch.arange(d, d + n) for d, n in zip(done, q_lens)])
+        positions = torch.cat([torch.arange(d, d + n) for d, n in zip(done, q_lens)]).to(dev)
         out.append(model.compute_logits(model(ids, positions, meta, backend)))
         done = [d + n for d, n in zip(done, q_lens)]
     return out
 
 
-def _worker(rank: int, port: int, jobs: list[tuple[str, str, str, str | None]], out: str) -> None:
+def _worker(rank: int, port: int, jobs: list[tuple[str, str, str, str | None]], out: str, kind: str) -> None:
     from ninfer.distributed import parallel_state as ps
     torch.set_num_threads(1)
-    ps.init_tp(rank, WORLD, f"tcp://127.0.0.1:{port}", timeout_s=60)
+    device = f"cuda:{rank}" if kind == "cuda" else "cpu"  # NCCL between GPUs, gloo on the CPU
+    ps.init_tp(rank, WORLD, f"tcp://127.0.0.1:{port}", timeout_s=60, device=torch.device(device))
     try:
-        torch.save({key: run_job(path, fmt, swap) for key, path, fmt, swap in jobs}, f"{out}/rank{rank}.pt")
+        torch.save({key: run_job(path, fmt, swap, device) for key, path, fmt, swap in jobs}, f"{out}/rank{rank}.pt")
     finally:
         ps.destroy_tp()
 
@@ -96,11 +102,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(jobs: list[tuple[str, str, str, str | None]], out: Path) -> list[dict[str, Any]]:
+def run_ranks(jobs: list[tuple[str, str, str, str | None]], out: Path, kind: str = "cpu") -> list[dict[str, Any]]:
     """Every job on WORLD spawned ranks; each rank's results. A rank that hangs is killed."""
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, jobs, str(out)), daemon=True) for r in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(r, port, jobs, str(out), kind), daemon=True) for r in range(WORLD)]
     for p in procs:
         p.start()
     for p in procs:
@@ -172,6 +178,19 @@ def test_each_rank_holds_its_shard(results, checkpoints: dict[str, Path], model:
     for got in ranks:
         assert got[f"{model}/auto"]["params"] == shard_param_count(cfg, WORLD) < cfg.num_params()
         assert got[f"{model}/auto"]["embed_rows"] == vocab_shard(cfg.vocab_size, WORLD)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_two_gpus_over_nccl_match_one_gpu(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """The same on GPUs: NCCL collectives, the CUDA layer kernels (fused norms, RoPE, fla's GDN).
+    fp32 GEMMs may pick other reduction splits for the half-width shards, hence 1e-4."""
+    jobs = [(f"{m}/{f}", str(p), f, None) for m, p in checkpoints.items() for f in ("auto", "rk4v4-e8")]
+    single = {key: run_job(path, fmt, None, "cuda:0") for key, path, fmt, _ in jobs}
+    for r, got in enumerate(run_ranks(jobs, tmp_path, "cuda")):
+        for key, *_ in jobs:
+            err = _rel(got[key]["logits"], single[key]["logits"])
+            assert err < (1e-4 if key.endswith("auto") else QUANT_RTOL), f"rank {r}: {key} differs by {err:.2e}"
 
 
 # ---- in one process: a rank's construction and loading need no collective, so the group's size
