@@ -22,6 +22,9 @@ WORLD = 2
 PAGE = 16
 JOIN_TIMEOUT_S = 120
 FORMATS = ("auto", "bf16", "int8", "rk4v4-e8")
+# the KV formats each model runs in: Qwen2 is there for its q|k|v biases (split with the rows)
+MODEL_FORMATS = {"qwen3": FORMATS, "llama": FORMATS, "hybrid": FORMATS, "qwen2": ("auto", "int8")}
+MODELS = list(MODEL_FORMATS)
 # fp32 model and KV: only the order of the all_reduce sums differs
 EXACT_RTOL = 1e-5
 # quantized KV: a value on a rounding boundary may take the neighbouring code after a last-bit
@@ -29,6 +32,7 @@ EXACT_RTOL = 1e-5
 QUANT_RTOL = 2e-3
 # one tensor of layer 0 exchanged between the ranks
 SWAP = {"qwen3": "model.layers.0.self_attn.qkv_proj.weight", "llama": "model.layers.0.mlp.gate_up_proj.weight",
+        "qwen2": "model.layers.1.self_attn.qkv_proj.bias",
         "hybrid": "model.layers.0.linear_attn.in_proj.weight"}
 SEEDS = (7, 8)
 LENS = (37, 20, 9)  # prompt lengths; step 1 prefills 25 / 20 / 9 tokens, step 2 the rest of the first
@@ -132,20 +136,20 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                                  tie_word_embeddings=True),
         "hybrid": make_hybrid_checkpoint(d, layer_types=("linear", "full", "linear"), heads=4, kv_heads=2,
                                          head_dim=128, linear_k_heads=2, linear_v_heads=4),
+        "qwen2": make_checkpoint(d, arch="qwen2", hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64),
     }
 
 
 @pytest.fixture(scope="module")
 def results(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
     """(single-process results, every rank's results), by (model, format[, 'swap'])."""
-    jobs = [(f"{m}/{f}", str(p), f, None) for m, p in checkpoints.items() for f in FORMATS]
+    jobs = [(f"{m}/{f}", str(p), f, None) for m, p in checkpoints.items() for f in MODEL_FORMATS[m]]
     jobs += [(f"{m}/auto/swap", str(p), "auto", SWAP[m]) for m, p in checkpoints.items()]
     single = {key: run_job(path, fmt, None) for key, path, fmt, swap in jobs if swap is None}
     return single, run_ranks(jobs, tmp_path_factory.mktemp("tp-out"))
 
 
-@pytest.mark.parametrize("model", ["qwen3", "llama", "hybrid"])
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("model,fmt", [(m, f) for m, fs in MODEL_FORMATS.items() for f in fs])
 def test_two_ranks_match_one_process(results, model: str, fmt: str) -> None:
     single, ranks = results
     ref = single[f"{model}/{fmt}"]["logits"]
@@ -159,7 +163,7 @@ def test_two_ranks_match_one_process(results, model: str, fmt: str) -> None:
         assert err < tol, f"rank {r}: {model} {fmt} logits differ by {err:.2e} (relative), tolerance {tol:.0e}"
 
 
-@pytest.mark.parametrize("model", ["qwen3", "llama", "hybrid"])
+@pytest.mark.parametrize("model", MODELS)
 def test_another_ranks_shard_is_caught(results, model: str) -> None:
     """The tolerance above would fail a wrong shard: one tensor exchanged between ranks."""
     single, ranks = results
@@ -168,7 +172,7 @@ def test_another_ranks_shard_is_caught(results, model: str) -> None:
         assert _rel(got[f"{model}/auto/swap"]["logits"], ref) > 50 * QUANT_RTOL
 
 
-@pytest.mark.parametrize("model", ["qwen3", "llama", "hybrid"])
+@pytest.mark.parametrize("model", MODELS)
 def test_each_rank_holds_its_shard(results, checkpoints: dict[str, Path], model: str) -> None:
     from ninfer.layers.tp_geometry import shard_param_count, vocab_shard
     from ninfer.model_config import ModelConfig
