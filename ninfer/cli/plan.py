@@ -117,16 +117,16 @@ def run(args: argparse.Namespace) -> int:
     from ninfer.model_config import ConfigError, ModelConfig
     from ninfer.layers.rotary import apply_rope_overrides, scaled_max_position
     from ninfer.kvcache.planner import GiB, format_bytes, resolve_weights_dtype
-    from ninfer.layers.tp_geometry import check_tensor_parallel, shard_param_count
     from ninfer import dtypes
+    from ninfer.layers.tp_geometry import check_tensor_parallel, shard_param_count
     tp = args.tensor_parallel_size
     try:
         if not args.memory > 0:
             raise ValueError(f"--memory must be > 0 GiB, got {args.memory}")
         model = apply_rope_overrides(ModelConfig.load(_config_path(args.model)), args.rope_yarn_factor,
                                      args.rope_original_max_position)
-        # The default context is the one the engine would use: the rope-scaled window.
         check_tensor_parallel(model, tp, _model_name(args.model))
+        # The default context is the one the engine would use: the rope-scaled window.
         limit = scaled_max_position(model)
         args.max_context = args.max_context or limit
         rows = plan_table(model, args)

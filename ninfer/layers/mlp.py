@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ninfer.layers.activation import silu_and_mul
 from ninfer.distributed import parallel_state as ps
+from ninfer.layers.activation import silu_and_mul
 from ninfer.layers.linear import MergedLinear, RowParallelLinear
 
 
