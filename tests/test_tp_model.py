@@ -270,3 +270,62 @@ def test_a_rank_names_a_damaged_tensor(tiny_checkpoint, tmp_path: Path, as_rank,
     as_rank(1, 2)
     with pytest.raises(CheckpointError, match=match):
         load_model(path, progress=False)
+
+
+def test_rank_reads_only_its_slices(checkpoints: dict[str, Path], as_rank, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 of 2: every split parameter is its rows / columns of the checkpoint tensors (written out
+    here by head arithmetic), and no split tensor is ever read whole."""
+    from safetensors.torch import load_file
+
+    from ninfer.models import load_model, loader
+    whole: list[str] = []
+    real_open = loader._open
+
+    class Spy:
+        def __init__(self, f: Any) -> None:
+            self.f = f
+
+        def __enter__(self) -> "Spy":
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            self.f.__exit__(*exc)
+
+        def get_tensor(self, name: str) -> torch.Tensor:
+            whole.append(name)
+            return self.f.get_tensor(name)
+
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(self.f, attr)
+
+    monkeypatch.setattr(loader, "_open", lambda path: Spy(real_open(path)))
+    as_rank(1, 2)
+    ck = load_file(str(checkpoints["qwen3"] / "model.safetensors"))
+    m = dict(load_model(checkpoints["qwen3"], dtype="fp32", progress=False).named_parameters())
+    a = "model.layers.1.self_attn."
+    assert torch.equal(m[a + "qkv_proj.weight"], torch.cat([ck[a + "q_proj.weight"][128:], ck[a + "k_proj.weight"][64:],
+                                                            ck[a + "v_proj.weight"][64:]]))
+    assert torch.equal(m[a + "o_proj.weight"], ck[a + "o_proj.weight"][:, 128:])
+    assert torch.equal(m[a + "q_norm.weight"], ck[a + "q_norm.weight"])
+    f = "model.layers.0.mlp."
+    assert torch.equal(m[f + "gate_up_proj.weight"], torch.cat([ck[f + "gate_proj.weight"][64:],
+                                                                ck[f + "up_proj.weight"][64:]]))
+    assert torch.equal(m[f + "down_proj.weight"], ck[f + "down_proj.weight"][:, 64:])
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):  # 389 rows: 195 + 194 and one padding row
+        assert m[name].shape[0] == 195 and torch.equal(m[name][:194], ck[name][195:])
+    ck = load_file(str(checkpoints["hybrid"] / "model.safetensors"))
+    m = dict(load_model(checkpoints["hybrid"], dtype="fp32", progress=False).named_parameters())
+    g = "model.layers.0.linear_attn."
+    # key heads 2 x 32 and value heads 4 x 32: rank 1 has key head 1 and value heads 2, 3
+    qkv = ck[g + "in_proj_qkv.weight"]
+    assert torch.equal(m[g + "in_proj.weight"], torch.cat([qkv[32:64], qkv[96:128], qkv[192:256],
+                                                           ck[g + "in_proj_z.weight"][64:],
+                                                           ck[g + "in_proj_b.weight"][2:], ck[g + "in_proj_a.weight"][2:]]))
+    conv = ck[g + "conv1d.weight"]
+    assert torch.equal(m[g + "conv1d.weight"], torch.cat([conv[32:64], conv[96:128], conv[192:256]]))
+    assert torch.equal(m[g + "dt_bias"], ck[g + "dt_bias"][2:]) and torch.equal(m[g + "A_log"], ck[g + "A_log"][2:])
+    assert torch.equal(m[g + "out_proj.weight"], ck[g + "out_proj.weight"][:, 64:])
+    assert torch.equal(m[g + "norm.weight"], ck[g + "norm.weight"])
+    split = ("proj.weight", "embed_tokens.weight", "lm_head.weight", "conv1d.weight", "dt_bias", "A_log")
+    assert whole and not [n for n in whole if n.endswith(split)], whole
