@@ -404,11 +404,17 @@ def plan_for_engine(model: ModelConfig, cfg: Any, mem: DeviceMemory, device_type
                     max_context: int | None = None, weights_bytes: int | None = None,
                     weights_resident: bool = False, cache_spec: Any = None) -> MemoryPlan:
     """`plan_memory` with the knobs of an EngineConfig (`max_context` overrides cfg's, e.g. after
-    the engine resolved rope scaling; its `tensor_parallel_size`, when it has one, plans one rank)."""
+    the engine resolved rope scaling), for one rank of this process's tensor-parallel group."""
     return plan_memory(
         model, kv_dtype=cfg.kv_dtype, total_bytes=mem.total, free_bytes=mem.free,
         max_context=max_context if max_context is not None else cfg.max_context,
         kv_capacity=cfg.kv_capacity, max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens, weights_dtype=cfg.dtype, device_type=device_type,
         enforce_eager=cfg.enforce_eager, weights_bytes=weights_bytes, weights_resident=weights_resident,
-        cache_spec=cache_spec, tensor_parallel_size=int(getattr(cfg, "tensor_parallel_size", 1) or 1))
+        cache_spec=cache_spec, tensor_parallel_size=_tp_size(cfg))
+
+
+def _tp_size(cfg: Any) -> int:
+    """The group this process is in (its model and cache spec are one rank's), else the config's."""
+    from ninfer.distributed import parallel_state
+    return parallel_state.tp_size() if parallel_state.tp_size() > 1 else int(getattr(cfg, "tensor_parallel_size", 1) or 1)
