@@ -164,7 +164,7 @@ class LLMEngine:
         self.pool.assert_geometry()  # DESIGN 2.2: packed planes are checked, never assumed
         self.kv_capacity_tokens = self.pool.capacity_tokens
         # Which kernel serves each attention op is decided here, once; an unsupported format is refused.
-        self.backend = select_backend(self.pool, self.device, self.dtype, self.model_config.num_heads)
+        self.backend = select_backend(self.pool, self.device, self.dtype, self.model.local_heads[0])
         max_pages = -(-self.max_context // PAGE_SIZE)
         self.runner = ModelRunner(self.model, self.backend, device=self.device, page_size=PAGE_SIZE,
                                   max_pages_per_seq=max_pages)

@@ -7,7 +7,7 @@ Public API
 * `plan_memory(model, *, kv_dtype, total_bytes, free_bytes, max_context=None, kv_capacity="auto",
   max_num_seqs=64, max_num_batched_tokens=8192, weights_dtype="auto", device_type="cuda",
   enforce_eager=False, headroom_bytes=None, weights_bytes=None, weights_resident=False,
-  cache_spec=None) -> MemoryPlan`
+  cache_spec=None, tensor_parallel_size=1) -> MemoryPlan`
 * `plan_for_engine(model, cfg: EngineConfig, mem: DeviceMemory, device_type, ...) -> MemoryPlan`
 * `MemoryPlan` (frozen): every term in bytes, `num_pages`, `capacity_tokens`, `bytes_per_token`,
   derived `runtime_bytes`, `free_after_weights`, `free_after_startup`, `slack_bytes`,
@@ -21,7 +21,8 @@ Public API
   `default_headroom(total)`, `format_bytes(n)`.
 
 Terms (all bytes; "context pages" = ceil(max_context / PAGE_SIZE)):
-  weights       model.weight_bytes(dtype), or the exact size the loader reports
+  weights       model.weight_bytes(dtype) (a rank's shard under tensor parallel), or the exact size
+                the loader reports
   kv            num_pages * PAGE_SIZE * bytes_per_token; bytes_per_token = the cache spec's attention
                 layers: format.bytes_per_token_head(D) * num_kv_heads * attention layers
   states        max_num_seqs * the spec's recurrent-state bytes per sequence (one slot per running
@@ -35,6 +36,11 @@ runtime = kv + states + page_tables + workspace + graphs; a plan fits when weigh
 <= free. Everything but kv and page_tables is independent of the context, so the largest context
 that fits has a closed form (see `plan_memory`). There is no RoPE table term: cos/sin are computed
 from the positions of each step (layers/rotary.py), inside the workspace.
+
+Tensor parallel (N ranks): every term is one rank's, planned on that rank's geometry
+(layers/tp_geometry.py: heads, KV heads, GDN heads and intermediate size divided by N): weights =
+the shard a rank holds, KV = its KV heads, states = its GDN heads. The context capacity in tokens is
+the group's (every rank holds its heads of the same tokens); the capacity line adds the group totals.
 """
 from __future__ import annotations
 
@@ -42,8 +48,10 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from ninfer import dtypes
 from ninfer.config import PAGE_SIZE
 from ninfer.kvcache.memory import GiB, MiB, DeviceMemory, device_memory, format_bytes  # noqa: F401
+from ninfer.layers.tp_geometry import local_config, shard_param_count
 from ninfer.model_config import ModelConfig
 
 DEFAULT_HEADROOM_BYTES = GiB          # the seed engine's automatic headroom
@@ -200,6 +208,7 @@ class MemoryPlan:
     free_after_startup_observed: int | None = None
     state_bytes: int = 0          # recurrent states: max_num_seqs slots
     state_bytes_per_seq: int = 0
+    tensor_parallel_size: int = 1  # >1: every byte term above is one rank's
 
     @property
     def runtime_bytes(self) -> int:
@@ -236,13 +245,22 @@ class MemoryPlan:
                 f"headroom={format_bytes(self.headroom_bytes)} slack={format_bytes(self.slack_bytes)} "
                 f"graphs={observed}/{format_bytes(self.graph_bytes)}"
                 + (f" states={format_bytes(self.state_bytes)} ({self.state_bytes_per_seq} B/seq x "
-                   f"{self.max_num_seqs} slots)" if self.state_bytes else ""))
+                   f"{self.max_num_seqs} slots)" if self.state_bytes else "") + self._group())
+
+    def _group(self) -> str:
+        n = self.tensor_parallel_size
+        if n == 1:
+            return ""
+        return (f"; per rank of tensor-parallel {n}, group: bytes/token={n * self.bytes_per_token} "
+                f"weights={format_bytes(n * self.weights_bytes)} kv={format_bytes(n * self.kv_bytes)}"
+                + (f" states={format_bytes(n * self.state_bytes)}" if self.state_bytes else ""))
 
     def summary_lines(self) -> list[str]:
         """The facts vLLM users look for, plus every reserved term."""
         return [
             f"Available KV cache memory: {format_bytes(self.kv_bytes)} (kv_dtype={self.kv_dtype}, "
-            f"{self.bytes_per_token} B/token)",
+            f"{self.bytes_per_token} B/token" + (f", per rank of {self.tensor_parallel_size}"
+                                                 if self.tensor_parallel_size > 1 else "") + ")",
             f"KV cache size: {self.capacity_tokens} tokens",
             f"Maximum concurrency for {self.max_context} tokens per request: "
             f"{self.max_concurrency_at_max_context:.2f}x",
@@ -275,8 +293,9 @@ def plan_memory(model: ModelConfig, *, kv_dtype: str, total_bytes: int, free_byt
                 max_num_batched_tokens: int = 8192, weights_dtype: str = "auto", device_type: str = "cuda",
                 enforce_eager: bool = False, headroom_bytes: int | None = None,
                 weights_bytes: int | None = None, weights_resident: bool = False,
-                cache_spec: Any = None) -> MemoryPlan:
-    """Resolve the KV pool for one kv-dtype. `free_bytes` is measured before the weights are loaded,
+                cache_spec: Any = None, tensor_parallel_size: int = 1) -> MemoryPlan:
+    """Resolve the KV pool for one kv-dtype (for one rank of `tensor_parallel_size`; `weights_bytes`
+    and `cache_spec`, when given, are that rank's). `free_bytes` is measured before the weights are loaded,
     unless `weights_resident` (then it is the free memory with the weights already in place).
     `cache_spec` (a CacheSpec; default: `default_cache_spec`) says which layers hold paged KV and
     which a recurrent state; its attention format must be `kv_dtype`'s.
@@ -292,15 +311,25 @@ def plan_memory(model: ModelConfig, *, kv_dtype: str, total_bytes: int, free_byt
     wdtype = resolve_weights_dtype(weights_dtype, model)
     kv_dtype = canonical_kv_dtype(kv_dtype)
     act = _DTYPE_BYTES[wdtype]
+    tp = int(tensor_parallel_size)
+    shard_params = shard_param_count(model, tp)  # ConfigError (a ValueError) when tp does not divide
+    # one process: the config's real bytes (quantized linears packed); a rank: its shard
+    full_bytes = model.weight_bytes(wdtype) if tp == 1 else None
+    model = local_config(model, tp)
     spec = default_cache_spec(model, kv_dtype) if cache_spec is None else cache_spec
     if spec.attention.fmt.name != kv_dtype:
         raise ValueError(f"the cache spec's KV format is {spec.attention.fmt.name}, the plan's kv_dtype {kv_dtype}")
+    if spec.attention.num_kv_heads != model.num_kv_heads:
+        raise ValueError(f"the cache spec has {spec.attention.num_kv_heads} KV heads, a rank of tensor-parallel "
+                         f"{tp} holds {model.num_kv_heads}")
     bpt = spec.bytes_per_token(_torch_dtype(wdtype))
     state_per_seq = spec.state_bytes_per_seq()
     states = max_num_seqs * state_per_seq
     page_bytes = bpt * PAGE_SIZE
     ctx_pages = math.ceil(max_context / PAGE_SIZE)
-    w_bytes = int(model.weight_bytes(wdtype) if weights_bytes is None else weights_bytes)
+    if weights_bytes is None:
+        weights_bytes = full_bytes if full_bytes is not None else shard_params * dtypes.num_bytes(wdtype)
+    w_bytes = int(weights_bytes)
     if weights_resident:
         free_bytes += w_bytes
     headroom = default_headroom(total_bytes) if headroom_bytes is None else int(headroom_bytes)
@@ -371,18 +400,25 @@ def plan_memory(model: ModelConfig, *, kv_dtype: str, total_bytes: int, free_byt
         capacity_tokens=int(pages) * PAGE_SIZE, total_bytes=total_bytes, free_bytes=free_bytes,
         weights_bytes=w_bytes, kv_bytes=int(pages) * page_bytes, page_table_bytes=page_tables,
         workspace_bytes=workspace, graph_bytes=graphs, headroom_bytes=headroom,
-        largest_context=int(largest), state_bytes=int(states), state_bytes_per_seq=int(state_per_seq))
+        largest_context=int(largest), state_bytes=int(states), state_bytes_per_seq=int(state_per_seq),
+        tensor_parallel_size=tp)
 
 
 def plan_for_engine(model: ModelConfig, cfg: Any, mem: DeviceMemory, device_type: str, *,
                     max_context: int | None = None, weights_bytes: int | None = None,
                     weights_resident: bool = False, cache_spec: Any = None) -> MemoryPlan:
     """`plan_memory` with the knobs of an EngineConfig (`max_context` overrides cfg's, e.g. after
-    the engine resolved rope scaling)."""
+    the engine resolved rope scaling), for one rank of this process's tensor-parallel group."""
     return plan_memory(
         model, kv_dtype=cfg.kv_dtype, total_bytes=mem.total, free_bytes=mem.free,
         max_context=max_context if max_context is not None else cfg.max_context,
         kv_capacity=cfg.kv_capacity, max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens, weights_dtype=cfg.dtype, device_type=device_type,
         enforce_eager=cfg.enforce_eager, weights_bytes=weights_bytes, weights_resident=weights_resident,
-        cache_spec=cache_spec)
+        cache_spec=cache_spec, tensor_parallel_size=_tp_size(cfg))
+
+
+def _tp_size(cfg: Any) -> int:
+    """The group this process is in (its model and cache spec are one rank's), else the config's."""
+    from ninfer.distributed import parallel_state
+    return parallel_state.tp_size() if parallel_state.tp_size() > 1 else int(getattr(cfg, "tensor_parallel_size", 1) or 1)

@@ -1,14 +1,19 @@
 """The attention layer: q/k/v projections (one merged matmul), optional per-head q/k RMSNorm (before
 RoPE), RoPE, then the attention backend (which stores K/V in the paged cache and attends), then
-o_proj. On CUDA the q/k norm and RoPE run as one Triton kernel (ninfer/kernels/qk_norm_rope.py)."""
+o_proj. On CUDA the q/k norm and RoPE run as one Triton kernel (ninfer/kernels/qk_norm_rope.py).
+
+Tensor parallel: the head counts given are the model's; each rank computes num_heads / N query
+heads and num_kv_heads / N KV heads (q|k|v column-parallel by heads, o_proj row-parallel), so the
+backend and the KV pool of a rank see only its heads."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from ninfer.attention.base import AttentionMetadata, BaseAttentionBackend
+from ninfer.distributed import parallel_state as ps
 from ninfer.layers import fused
-from ninfer.layers.linear import MergedLinear
+from ninfer.layers.linear import MergedLinear, RowParallelLinear
 from ninfer.layers.norm import RMSNorm
 from ninfer.layers.rotary import apply_rotary
 
@@ -21,13 +26,14 @@ class Attention(nn.Module):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, *, kv_layer: int,
                  qkv_bias: bool, o_bias: bool, qk_norm: bool, eps: float) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        size = ps.tp_size()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads // size, num_kv_heads // size, head_dim
         self.kv_layer = kv_layer
-        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.scale = head_dim ** -0.5
-        self.qkv_proj = MergedLinear(
-            hidden, (("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size)), qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
+        self.qkv_proj = MergedLinear(hidden, (("q_proj", num_heads * head_dim), ("k_proj", num_kv_heads * head_dim),
+                                              ("v_proj", num_kv_heads * head_dim)), qkv_bias)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
 

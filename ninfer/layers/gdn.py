@@ -21,7 +21,12 @@ Kernels, chosen once when the model is placed on its device (`GatedDeltaNet.impl
 * "fla": fla-core's Triton kernels, chunk_gated_delta_rule (varlen, cu_seqlens) for steps with a
   prefill and fused_recurrent_gated_delta_rule for decode steps;
 * "torch": the float32 reference below (chunked WY form, one sequence at a time).
-The conv is torch on both (K gathers of [T, conv_dim] rows; small next to the projections)."""
+The conv is torch on both (K gathers of [T, conv_dim] rows; small next to the projections).
+
+Tensor parallel: each rank holds num_k_heads / N key heads and num_v_heads / N value heads (a key
+head's value heads stay on its rank): its rows of q, k and v in in_proj_qkv (three blocks, split
+one by one), of z, b and a, its conv channels, dt_bias and A_log; the state of a slot holds only
+its heads; out_proj is row-parallel."""
 from __future__ import annotations
 
 import torch
@@ -29,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ninfer.attention.base import AttentionMetadata, BaseAttentionBackend
-from ninfer.layers.linear import MergedLinear
+from ninfer.distributed import parallel_state as ps
+from ninfer.layers.linear import MergedLinear, RowParallelLinear
 
 CHUNK = 64
 
@@ -96,19 +102,27 @@ class GatedDeltaNet(nn.Module):
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads={num_v_heads} is not a multiple of "
                              f"linear_num_key_heads={num_k_heads}")
-        self.hk, self.hv, self.dk, self.dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
-        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        size = ps.tp_size()
+        for n, what in ((num_k_heads, "linear_num_key_heads"), (num_v_heads, "linear_num_value_heads")):
+            if n % size:
+                raise ValueError(f"tensor-parallel-size {size} does not divide {what}={n}")
+        key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim  # whole model
+        qkv = (key_dim, key_dim, value_dim)
+        self.hk, self.hv, self.dk, self.dv = num_k_heads // size, num_v_heads // size, head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = self.hk * head_k_dim, self.hv * head_v_dim  # this rank
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = conv_kernel
         self.state_layer = state_layer
         self.impl = "torch"
-        self.in_proj = MergedLinear(hidden, (("in_proj_qkv", self.conv_dim), ("in_proj_z", self.value_dim),
+        self.in_proj = MergedLinear(hidden, (("in_proj_qkv", qkv), ("in_proj_z", value_dim),
                                              ("in_proj_b", num_v_heads), ("in_proj_a", num_v_heads)), bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
-        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
-        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.conv1d.tp_shards = {"weight": (0, qkv)}
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.tp_shards = {"dt_bias": (0, (num_v_heads,)), "A_log": (0, (num_v_heads,))}
         self.norm = GatedRMSNorm(head_v_dim, eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.out_proj = RowParallelLinear(value_dim, hidden, bias=False)
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         return {"conv": (self.kernel - 1, self.conv_dim), "ssm": (self.hv, self.dk, self.dv)}

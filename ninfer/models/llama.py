@@ -13,10 +13,13 @@ from torch import nn
 
 from ninfer.attention.base import AttentionMetadata, BaseAttentionBackend
 from ninfer.layers import fused
+from ninfer.distributed import parallel_state as ps
 from ninfer.layers.attention import Attention
+from ninfer.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from ninfer.layers.mlp import GatedMLP
 from ninfer.layers.norm import RMSNorm
 from ninfer.layers.rotary import RotaryEmbedding, normalize_rope_params, scaled_max_position
+from ninfer.layers.tp_geometry import check_tensor_parallel
 from ninfer.model_config import ConfigError, ModelConfig
 from ninfer.models.base import CausalLM
 
@@ -56,7 +59,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         eps = cfg.rms_norm_eps
         act = str(cfg.raw.get("hidden_act", "silu"))
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(
                 Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, kv_layer=i,
@@ -78,6 +81,7 @@ class LlamaForCausalLM(CausalLM):
         if len(cfg.full_attention_layers) != cfg.num_layers:
             raise ConfigError(f"{cfg.architecture}: only full-attention layers are supported, but layers "
                               f"{sorted(set(range(cfg.num_layers)) - set(cfg.full_attention_layers))} are not")
+        check_tensor_parallel(cfg, ps.tp_size())
         window = cfg.raw.get("sliding_window")
         if self.honors_sliding_window and window and int(window) < cfg.max_position_embeddings:
             log.warning("%s: sliding_window=%s is ignored; attention is full, so outputs differ from "
@@ -87,7 +91,7 @@ class LlamaForCausalLM(CausalLM):
         o = cfg.attention_bias if self.o_bias is None else self.o_bias
         self.model = LlamaModel(cfg, qkv_bias=qkv, o_bias=o, mlp_bias=bool(cfg.raw.get("mlp_bias", False)),
                                 qk_norm=self.qk_norm)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
         self.tie_weights()
         self.rope_params = normalize_rope_params(cfg)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, self.rope_params, cfg.max_position_embeddings)

@@ -16,7 +16,9 @@ from tqdm.auto import tqdm
 from ninfer import dtypes, quant
 from ninfer.layers.rotary import apply_rope_overrides
 from ninfer.model_config import ModelConfig
-from ninfer.models.base import CausalLM
+from ninfer.distributed import parallel_state as ps
+from ninfer.layers.tp_geometry import check_tensor_parallel
+from ninfer.models.base import CausalLM, Target
 from ninfer.models.registry import get_model_class
 
 log = logging.getLogger(__name__)
@@ -86,9 +88,28 @@ def _open(path: Path) -> Any:
         raise CheckpointError(f"cannot read {path}: {e} (truncated or corrupt safetensors file?)") from e
 
 
+_PACKED_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8}  # safetensors names of packed weights
+
+
+def _copy(f: Any, name: str, target: Target, param: torch.Tensor) -> None:
+    """Fill `param` from checkpoint tensor `name`: the whole tensor, or only the rows / columns of
+    this rank (a rank reads its slices and never the full tensor)."""
+    with torch.no_grad():
+        if target.pieces is None:
+            param.copy_(f.get_tensor(name).reshape(param.shape))  # a scalar scale may be stored [] or [1]
+            return
+        dim = target.dim
+        if len(target.pieces) == 1 and target.pieces[0][0] == 0 and target.pieces[0][2] == target.shape[dim]:
+            param.narrow(dim, target.pieces[0][1], target.shape[dim]).copy_(f.get_tensor(name))
+            return
+        sl = f.get_slice(name)
+        for src, dst, n in target.pieces:
+            param.narrow(dim, dst, n).copy_(sl[(slice(None),) * dim + (slice(src, src + n),)])
+
+
 def load_weights(model: CausalLM, model_dir: Path, *, progress: bool = True) -> None:
-    """Copy every checkpoint tensor into its parameter (rows of a merged linear), checking shapes,
-    and fail if any parameter stayed unfilled."""
+    """Copy every checkpoint tensor into its parameter (rows of a merged linear, this rank's slice of a
+    split one), checking the checkpoint shapes, and fail if any parameter stayed unfilled."""
     files, index = checkpoint_files(model_dir)
     cmap = model.checkpoint_map()
     params = dict(model.named_parameters())
@@ -110,29 +131,26 @@ def load_weights(model: CausalLM, model_dir: Path, *, progress: bool = True) -> 
                         continue
                     if name in loaded:
                         raise CheckpointError(f"tensor {name} appears in both {loaded[name]} and {path}")
-                    pname, start, rows = cmap[name]
-                    param = params[pname]
-                    expected = tuple(param.shape) if rows is None else (rows, *param.shape[1:])
+                    target = cmap[name]
+                    param = params[target.param]
                     try:
                         shape = tuple(f.get_slice(name).get_shape())
-                        if shape != expected and not (math.prod(shape) == 1 == math.prod(expected)):
+                        if shape != target.shape and not (math.prod(shape) == 1 == math.prod(target.shape)):
                             raise CheckpointError(
                                 f"{path}: tensor {name} has shape {list(shape)}, but the config "
-                                f"({model.config.architecture}) needs {list(expected)}")
-                        tensor = f.get_tensor(name)
-                        if tensor.dtype in (torch.float8_e4m3fn, torch.uint8) and param.dtype != tensor.dtype:
+                                f"({model.config.architecture}) needs {list(target.shape)}")
+                        stored = _PACKED_DTYPES.get(f.get_slice(name).get_dtype())
+                        if stored is not None and param.dtype != stored:
                             raise CheckpointError(
-                                f"{path}: tensor {name} is {tensor.dtype} (quantized) but loads into a "
+                                f"{path}: tensor {name} is {stored} (quantized) but loads into a "
                                 f"{param.dtype} weight: its scale tensors are missing, or config.json does "
                                 f"not declare the quantization")
+                        _copy(f, name, target, param)
                     except CheckpointError:
                         raise
                     except Exception as e:
                         raise CheckpointError(f"{path}: cannot read tensor {name}: {e} "
                                               "(truncated or corrupt safetensors file?)") from e
-                    with torch.no_grad():
-                        target = param if rows is None else param[start:start + rows]
-                        target.copy_(tensor.reshape(target.shape))  # a scalar scale may be [] or [1]
                     loaded[name] = path
                     bar.update(1)
     finally:
@@ -150,6 +168,19 @@ def load_weights(model: CausalLM, model_dir: Path, *, progress: bool = True) -> 
     if unexpected:
         log.warning("%s: ignored %d checkpoint tensors the model does not use, e.g. %s",
                     model_dir, len(unexpected), unexpected[:3])
+
+
+def _check_sharding(cfg: ModelConfig, model_dir: Path) -> None:
+    """Refuse what this process's tensor-parallel group cannot split, before anything is allocated."""
+    size = ps.tp_size()
+    if size == 1:
+        return
+    check_tensor_parallel(cfg, size, model_dir.name)
+    quant = cfg.raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "quantized") if isinstance(quant, dict) else "quantized"
+        raise CheckpointError(f"{model_dir.name}: {method} weights cannot be split across ranks; "
+                              f"tensor-parallel-size {size} needs a bf16/fp16/fp32 checkpoint")
 
 
 _ROPE_KEYS = ("rope_yarn_factor", "rope_original_max_position")
@@ -173,6 +204,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
         ro = {k: getattr(rope_overrides, k, None) for k in _ROPE_KEYS}
     cfg = apply_rope_overrides(cfg, ro.get("rope_yarn_factor"), ro.get("rope_original_max_position"))
     model_cls = get_model_class(cfg.architecture)
+    _check_sharding(cfg, model_dir)
     torch_dtype = resolve_dtype(dtype, cfg)
     dev = resolve_device(device)
     qc = quant.parse_quant_config(cfg.raw)  # refuses an unsupported scheme before anything is built

@@ -9,6 +9,9 @@ is multiplied by sigmoid(gate) before o_proj. All norms are offset RMSNorms exce
 inside the GDN layer. Only attention layers hold paged KV; GDN layers hold a state slot per
 sequence (`cache_specs`).
 
+Tensor parallel: gated attention splits by heads as the dense decoder does (q_proj's per-head
+query|gate rows stay together); GDN layers split by their key/value heads (ninfer/layers/gdn.py).
+
 Qwen3-Next (`qwen3_next`) shares the layers but routes every MLP through a 512-expert MoE block
 that has no grouped-expert kernel here: it is refused at load with that reason."""
 from __future__ import annotations
@@ -19,11 +22,13 @@ import torch
 from torch import nn
 
 from ninfer.attention.base import AttentionMetadata, BaseAttentionBackend
+from ninfer.distributed import parallel_state as ps
 from ninfer.layers import gdn
-from ninfer.layers.linear import MergedLinear
+from ninfer.layers.linear import MergedLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from ninfer.layers.mlp import GatedMLP
 from ninfer.layers.norm import OffsetRMSNorm
 from ninfer.layers.rotary import RotaryEmbedding, apply_rotary, normalize_rope_params, scaled_max_position
+from ninfer.layers.tp_geometry import check_tensor_parallel
 from ninfer.model_config import ConfigError, ModelConfig
 from ninfer.models.base import CausalLM
 
@@ -33,15 +38,15 @@ log = logging.getLogger(__name__)
 class GatedAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, *, kv_layer: int) -> None:
         super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        h, d, size = cfg.hidden_size, cfg.head_dim, ps.tp_size()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads // size, cfg.num_kv_heads // size, d
         self.kv_layer = kv_layer
-        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.scale = d ** -0.5
         bias = cfg.attention_bias
-        self.qkv_proj = MergedLinear(
-            h, (("q_proj", 2 * self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size)), bias)
-        self.o_proj = nn.Linear(self.q_size, h, bias=bias)
+        q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.qkv_proj = MergedLinear(h, (("q_proj", 2 * q), ("k_proj", kv), ("v_proj", kv)), bias)
+        self.o_proj = RowParallelLinear(q, h, bias=bias)
         self.q_norm = OffsetRMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(d, cfg.rms_norm_eps)
 
@@ -85,7 +90,7 @@ class Qwen3_5TextModel(nn.Module):
         kv_index = {layer: i for i, layer in enumerate(cfg.full_attention_layers)}
         linear = [i for i in range(cfg.num_layers) if i not in full]
         state_index = {layer: i for i, layer in enumerate(linear)}
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         layers = []
         for i in range(cfg.num_layers):
             if i in full:
@@ -111,9 +116,10 @@ class Qwen3_5ForCausalLM(CausalLM):
             raise ConfigError(f"{cfg.architecture}: config.json lacks {', '.join(missing)}")
         if not cfg.full_attention_layers:
             raise ConfigError(f"{cfg.architecture}: no full-attention layer (layer_types); a KV cache needs one")
+        check_tensor_parallel(cfg, ps.tp_size())
         self.config = cfg
         self.model = Qwen3_5TextModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
         self.tie_weights()
         self.rope_params = normalize_rope_params(cfg)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, self.rope_params, cfg.max_position_embeddings)
@@ -133,10 +139,11 @@ class Qwen3_5ForCausalLM(CausalLM):
         return [layer.linear_attn for layer in self.model.layers if layer.is_linear]
 
     def cache_specs(self, fmt):
-        """Paged KV in `fmt` for the full-attention layers, a float32 state slot for each GDN layer."""
+        """Paged KV in `fmt` for the full-attention layers, a float32 state slot for each GDN layer
+        (this rank's KV heads and GDN heads)."""
         from ninfer.kvcache.spec import AttentionSpec, CacheSpec, RecurrentStateSpec
         cfg = self.config
-        att = AttentionSpec(cfg.num_kv_heads, cfg.head_dim, fmt)
+        att = AttentionSpec(self.local_heads[1], cfg.head_dim, fmt)
         return CacheSpec(tuple(RecurrentStateSpec(layer.linear_attn.state_shapes(), torch.float32)
                                if layer.is_linear else att for layer in self.model.layers))
 
