@@ -146,5 +146,5 @@ def test_tensors_decide_where_the_config_is_silent(tmp_path: Path) -> None:
     cfg["quantization_config"]["modules_to_not_convert"] = None
     (path / "config.json").write_text(json.dumps(cfg))
     model = load_model(path, dtype="bf16", progress=False)
-    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight.dtype == torch.bfloat16
+    assert isinstance(model.lm_head, torch.nn.Linear) and model.lm_head.weight.dtype == torch.bfloat16
     assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn

@@ -50,7 +50,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, V] float32, the full vocabulary on every rank."""
-        return self.lm_head.gather_logits(hidden)
+        head = self.lm_head
+        return head.gather_logits(hidden) if hasattr(head, "gather_logits") else head(hidden).float()  # quantized: whole
 
     @property
     def local_heads(self) -> tuple[int, int]:

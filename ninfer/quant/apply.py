@@ -33,18 +33,20 @@ def quantize_modules(model: nn.Module, qc: QuantConfig, present: Collection[str]
         return qc.is_quantized(ck)  # neither: the loader names what is missing
 
     parts_of: dict[str, list[tuple[int, str]]] = {}
-    for ck, (pname, start, _) in model.checkpoint_map().items():
-        if ck.endswith(".weight") and pname.endswith(".weight"):
-            parts_of.setdefault(pname[: -len(".weight")], []).append((start or 0, ck[: -len(".weight")]))
+    for ck, t in model.checkpoint_map().items():
+        if ck.endswith(".weight") and t.param.endswith(".weight"):
+            start = min(dst for _, dst, _ in t.pieces) if t.pieces else 0  # the part's first row
+            parts_of.setdefault(t.param[: -len(".weight")], []).append((start, ck[: -len(".weight")]))
     replaced = 0
     for name, mod in list(model.named_modules()):
-        if type(mod) not in (nn.Linear, MergedLinear) or name not in parts_of:
+        if not isinstance(mod, nn.Linear) or name not in parts_of:
             continue  # a tied lm_head is the embedding, not listed
         cks = [ck for _, ck in sorted(parts_of[name])]
         flags = [quantized(ck) for ck in cks]
         if not any(flags):
             continue
-        layout = mod.parts if isinstance(mod, MergedLinear) else (("", mod.out_features),)
+        layout = tuple((n, sum(b)) for n, b in mod.parts) if isinstance(mod, MergedLinear) else \
+            (("", mod.out_features),)
         parts = tuple((n, r, f) for (n, r), f in zip(layout, flags))
         new = QuantLinear(qc, mod.in_features, parts, mod.bias is not None, mod.weight.dtype, where=cks[0])
         parent_name, _, attr = name.rpartition(".")
