@@ -29,7 +29,18 @@ def _watch_parent(parent_pid: int) -> None:
     while True:
         time.sleep(PARENT_POLL_S)
         if os.getppid() != parent_pid:
-            os._exit(3)
+            _quit(3)
+
+
+def _quit(code: int) -> None:
+    """Exit now, skipping the interpreter's slow teardown of torch, but release what
+    multiprocessing registered (a library's semaphore would otherwise be reported as leaked)."""
+    from multiprocessing import util
+    try:
+        util._run_finalizers(0)
+        util._run_finalizers()
+    finally:
+        os._exit(code)
 
 
 def _one_line(e: BaseException) -> str:
@@ -58,30 +69,29 @@ def worker_main(rank: int, world_size: int, init_method: str, device: str, threa
         stage = "receive the plan"
         kind, setup = conn.recv()
         if kind != "setup":
-            return
+            _quit(0)
         stage = "load the model"
         from ninfer.engine.rank import build_rank, capture_graphs
         parts = build_rank(setup, dev)
         conn.send(("loaded", None))
         kind, _ = conn.recv()
         if kind != "go":
-            return
+            _quit(0)
         stage = "capture CUDA graphs"
         capture_graphs(parts.runner, setup.config)
         conn.send(("ready", None))
         stage = "run a step"
         _serve(parts.runner, conn)
+        _quit(0)   # nothing to flush; the interpreter's teardown of torch would only delay close()
     except EOFError:
-        os._exit(0)   # the driver closed the pipe: it is gone, and so may be the group
+        _quit(0)   # the driver closed the pipe: it is gone, and so may be the group
     except BaseException as e:  # noqa: BLE001 - reported to the driver as one line, then exit 1
         try:
             conn.send(("error", f"could not {stage}: {_one_line(e)}"))
             conn.send(("trace", "".join(traceback.format_exception(e))))
         except (OSError, ValueError):
             pass
-        os._exit(1)
-    finally:
-        _leave()
+        _quit(1)
 
 
 def _serve(runner: Any, conn: Any) -> None:
@@ -108,10 +118,3 @@ def _serve(runner: Any, conn: Any) -> None:
             # and fails the batch's requests, which the next message drops here.
             pass
 
-
-def _leave() -> None:
-    from ninfer.distributed import parallel_state as ps
-    try:
-        ps.destroy_tp()
-    except Exception:  # noqa: BLE001 - the group may be broken already
-        pass
