@@ -95,6 +95,10 @@ def test_tp2_matches_tp1(tiny_checkpoint, arch: str, kv: str) -> None:
     finally:
         engine.shutdown()
     assert ps.tp_size() == 1 and not any(p.is_alive() for p in procs)
+    from ninfer.distributed.group import TensorParallelError
+    engine.add_request("late", [11, 12, 13], _greedy(1))
+    with pytest.raises(TensorParallelError, match="^the tensor-parallel group was shut down$"):
+        engine.step()   # never on one rank alone
 
 
 def bad_checkpoint_worker(*args) -> None:

@@ -19,6 +19,7 @@ kills what is left; it also runs when the group is garbage-collected or the inte
 and the followers exit on their own if the driver process disappears."""
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import pickle
@@ -83,6 +84,9 @@ class WorkerGroup:
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self._finalizer = weakref.finalize(self, _close, self.procs, self.conns, self._closed)
+        # Before multiprocessing's own exit hook (atexit runs last-registered first), which would
+        # only terminate the followers: they get their exit message and the group is left cleanly.
+        atexit.register(self._finalizer)
         _ACTIVE[:] = [weakref.ref(self)]
         try:
             self._start(ctx, init, threads)
@@ -167,7 +171,7 @@ class WorkerGroup:
                 conn.send_bytes(data)
             except (BrokenPipeError, OSError):
                 self._poll(rank, conn)
-                raise self._fail(self._rank_down(rank, "a step")) from None
+                raise self._fail(self._rank_down(rank, "a step" if kind == "step" else f"startup ({kind})")) from None
 
     def setup(self, setup: Any) -> None:
         self.send("setup", setup)
@@ -189,6 +193,7 @@ class WorkerGroup:
     def _rank_down(self, rank: int, during: str) -> str:
         p = self.procs[rank - 1]
         p.join(0.2)   # a follower that reported an error is about to exit
+        self._poll(rank, self.conns[rank - 1])   # what it sent just before it went
         err = self._errors.get(rank)
         if err:
             return f"tensor-parallel rank {rank} failed: {err}"
@@ -203,8 +208,8 @@ class WorkerGroup:
 
     def check(self, during: str = "a step") -> None:
         """Raise TensorParallelError if a follower reported an error or exited."""
-        if self.failure is not None:
-            raise TensorParallelError(self.failure)
+        if self.failure is not None or self._closed.is_set():
+            raise TensorParallelError(self.failure or "the tensor-parallel group was shut down")
         for rank, (p, conn) in enumerate(zip(self.procs, self.conns), 1):
             self._poll(rank, conn)
             if rank in self._errors or p.exitcode is not None:

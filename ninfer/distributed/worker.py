@@ -10,11 +10,13 @@ Conversation with the driver over a pipe (`conn`), in order:
     <- ("step", message) ...         see step_message; ("exit", None) ends it
     <- ("digest", None) -> ("digest", hash of the KV pool)   the lock-step check
 Any failure is sent as ("error", one line) before the process exits with status 1. A closed pipe
-(the driver is gone) or a new parent process id ends the follower too: it never outlives the driver."""
+(the driver is gone) or a new parent process id ends the follower too: it never outlives the driver.
+SIGINT is ignored (the driver ends its followers)."""
 from __future__ import annotations
 
 import os
 import pickle
+import signal
 import threading
 import time
 import traceback
@@ -51,6 +53,9 @@ def _one_line(e: BaseException) -> str:
 def worker_main(rank: int, world_size: int, init_method: str, device: str, threads: int,
                 timeout_s: float, parent_pid: int, conn: Any) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")   # NVLink multicast off (before NCCL starts)
+    # The driver decides when a follower ends: a Ctrl-C in the terminal reaches the whole process
+    # group, and must not kill the follower while the driver drains its requests.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="ninfer-parent-watch").start()
     stage = "start"
     try:

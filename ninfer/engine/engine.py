@@ -220,9 +220,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """End the follower ranks (tensor parallelism); nothing to do for a single-process engine.
         Also runs when the engine is garbage-collected or the interpreter exits."""
-        group, self._group = self._group, None
-        if group is not None:
-            group.close()
+        if self._group is not None:
+            self._group.close()   # kept: a later step raises instead of running on one rank
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
