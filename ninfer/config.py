@@ -70,6 +70,7 @@ class EngineConfig:
     rope_original_max_position: int | None = None
     seed: int = 0
     threads: int | None = None               # CPU intra-op threads; None = OMP_NUM_THREADS or physical cores
+    tensor_parallel_size: int = 1            # ranks (processes), one per GPU; gloo on CPU
 
     def replace(self, **kw) -> "EngineConfig":
         return EngineConfig(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **kw})
@@ -105,6 +106,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
     g.add_argument("--rope-original-max-position", dest="rope_original_max_position", type=parse_token_count,
                    default=None, help="the pre-YaRN window (default: the config's max_position_embeddings)")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without a sampling seed")
+    g.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=_positive_int, default=1,
+                   metavar="N", help="shard the model over N processes, one GPU each (cuda:i..cuda:i+N-1 for "
+                                     "--device cuda:i; on CPU N processes over gloo); default 1")
     g.add_argument("--threads", type=_positive_int, default=None,
                    help="CPU threads (default: OMP_NUM_THREADS if set, else the physical cores that are not busy)")
 

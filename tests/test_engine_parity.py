@@ -156,7 +156,7 @@ def test_startup_lines_geometry_and_capacity(tiny_model_dir: Path) -> None:
 
 
 def test_refuses_what_does_not_fit_before_loading(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ninfer.engine.engine as engine_mod
+    import ninfer.engine.rank as engine_mod   # where every rank loads its weights
     from ninfer.kvcache.planner import ContextDoesNotFit
 
     def no_load(*a, **k):

@@ -73,7 +73,7 @@ def cuda_graphs_active(engine: Any) -> bool:
 
 
 def engine_facts(engine: Any) -> dict[str, Any]:
-    return {"device": str(engine.device), "max_context": engine.max_context,
+    return {"device": str(engine.device), "tensor_parallel_size": engine.tp_size, "max_context": engine.max_context,
             "kv_capacity_tokens": engine.kv_capacity_tokens, "cuda_graphs": cuda_graphs_active(engine),
             "startup_lines": list(engine.startup_lines)}
 

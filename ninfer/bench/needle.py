@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ninfer.config import PAGE_SIZE, parse_token_count
+from ninfer.config import PAGE_SIZE, _positive_int, parse_token_count
 from ninfer.tools.probe import data, default_model_dir
 from ninfer.tools.probe.evaluate import encoder, log_odds_from_logprob
 
@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="with --server: use /v1/chat/completions")
     p.add_argument("--served-model", default=None, help="with --server: the model name to send")
     p.add_argument("--device", default="auto")
+    p.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=_positive_int, default=1, metavar="N",
+                   help="in-process: shard the model over N ranks (default 1)")
     p.add_argument("--docs", type=int, default=1, help="documents per context (5 needles each)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
@@ -83,7 +85,7 @@ def _finish(case: dict, text: str, finish: str | None, out_ids, logprobs, prompt
 
 
 def run_inprocess(model_dir: str, kv_dtype: str, contexts: list[int], docs: int, seed: int, device: str,
-                  prefix_reuse: bool | None = None, bar: Any = None) -> list[dict]:
+                  prefix_reuse: bool | None = None, bar: Any = None, tensor_parallel_size: int = 1) -> list[dict]:
     """DESIGN §7: prefix reuse off (every question prefills its whole document). With
     `prefix_reuse` (the default on CPU, where each 4K prefill costs seconds) each document's first
     question runs alone, so its pages are cached, and the other four reuse them: the scores are the
@@ -96,7 +98,7 @@ def run_inprocess(model_dir: str, kv_dtype: str, contexts: list[int], docs: int,
     per_doc = len(data.BENCH_DEPTHS)
     # The pool holds what runs at once: one document's questions (at most `per_doc` sequences).
     llm = LLM(model_dir, kv_dtype=kv_dtype, device=device, max_context=max(contexts),
-              enable_prefix_caching=prefix_reuse, max_num_seqs=per_doc,
+              enable_prefix_caching=prefix_reuse, max_num_seqs=per_doc, tensor_parallel_size=tensor_parallel_size,
               kv_capacity=-(-max(contexts) // PAGE_SIZE) * PAGE_SIZE * per_doc)
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
@@ -119,7 +121,7 @@ def run_inprocess(model_dir: str, kv_dtype: str, contexts: list[int], docs: int,
         for c, o in zip(cases, outs):
             rows.append(_finish(c, o.text, o.finish_reason, list(o.token_ids), o.logprobs,
                                 len(o.prompt_token_ids), getattr(o, "num_cached_tokens", None)))
-    del llm
+    llm.close()
     return rows
 
 
@@ -161,6 +163,7 @@ def command_line(args: argparse.Namespace) -> str:
     """The equivalent command line (also when called as a function, not from a shell)."""
     parts = ["ninfer bench needle"] + ([args.model] if args.model else [])
     parts += [f"--contexts {args.contexts}", f"--device {args.device}", f"--docs {args.docs}", f"--seed {args.seed}"]
+    parts += [f"-tp {args.tensor_parallel_size}"] if getattr(args, "tensor_parallel_size", 1) != 1 else []
     parts += [f"--server {args.server}"] + (["--chat"] if args.chat else []) if args.server else [f"--kv-dtype {args.kv_dtype}"]
     return " ".join(parts + ([f"--json {args.json}"] if args.json else []))
 
@@ -202,7 +205,8 @@ def run(args: argparse.Namespace) -> int:
         with tqdm(total=len(kvs) * len(contexts) * args.docs * len(data.BENCH_DEPTHS), desc="needle",
                   unit="question", dynamic_ncols=True) as bar:
             for kv in kvs:
-                results[kv] = run_inprocess(model_dir, kv, contexts, args.docs, args.seed, args.device, bar=bar)
+                results[kv] = run_inprocess(model_dir, kv, contexts, args.docs, args.seed, args.device, bar=bar,
+                                            tensor_parallel_size=args.tensor_parallel_size)
     print(table(results))
     n = sum(len(v) for v in results.values())
     passed = sum(r["passed"] for v in results.values() for r in v)

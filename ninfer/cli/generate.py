@@ -50,6 +50,7 @@ def _build_prompt(tokenizer, text: str, args: argparse.Namespace) -> str | list[
 
 
 def run(args: argparse.Namespace) -> int:
+    from ninfer.distributed.group import TensorParallelError
     from ninfer.engine.llm import LLM
     from ninfer.engine.sampling import SamplingParams
     from ninfer.kvcache.planner import ContextDoesNotFit
@@ -65,9 +66,15 @@ def run(args: argparse.Namespace) -> int:
                                 stop=args.stop, ignore_eos=args.ignore_eos, seed=args.sampling_seed)
         t0 = time.monotonic()
         llm = LLM(cfg.model, progress=not args.quiet, **{k: v for k, v in vars(cfg).items() if k != "model"})
-    except (ContextDoesNotFit, ValueError) as e:
+    except (ContextDoesNotFit, ValueError, TensorParallelError) as e:
         print(f"ninfer generate: {e}", file=sys.stderr)
         return 2
+    with llm:   # the follower ranks (tensor parallelism) end with the command
+        return _generate(llm, prompts, params, args, t0)
+
+
+def _generate(llm, prompts: list[str], params, args: argparse.Namespace, t0: float) -> int:
+    from ninfer.distributed.group import TensorParallelError
     if not args.quiet:
         for line in llm.startup_lines:
             print(line, file=sys.stderr)
@@ -77,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         inputs = [_build_prompt(tok, p, args) for p in prompts]
         t1 = time.monotonic()
         outs = llm.generate(inputs, params, use_tqdm=False)
-    except ValueError as e:
+    except (ValueError, TensorParallelError) as e:
         print(f"ninfer generate: {e}", file=sys.stderr)
         return 2
     dt = time.monotonic() - t1

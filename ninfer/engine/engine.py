@@ -19,21 +19,20 @@ from typing import Any, Callable
 import torch
 
 from ninfer.config import DEFAULT_MODEL_DIR, PAGE_SIZE, EngineConfig
+from ninfer.distributed.step_message import StepEncoder
 from ninfer.engine.detokenizer import IncrementalDetokenizer
-from ninfer.engine.model_runner import ModelRunner
+from ninfer.engine.rank import RankSetup, build_rank, capture_graphs
 from ninfer.engine.request import Request, RequestOutput
 from ninfer.engine.sampling import SampleRow, SamplingParams, sample
 from ninfer.engine.scheduler import Scheduler
-from ninfer.attention.selector import select_backend
 from ninfer.engine.structured import BitmaskFiller, GrammarCache, GrammarState
 from ninfer.kvcache.block_manager import BlockManager
 from ninfer.kvcache.formats import KVFormat, get_format
 from ninfer.kvcache.planner import MemoryPlan, device_memory, plan_for_engine
-from ninfer.kvcache.pool import KVCachePool
 from ninfer.kvcache.spec import CacheSpec
 from ninfer.model_config import ModelConfig
-from ninfer.engine import cpu
-from ninfer.models.loader import load_model, load_tokenizer, resolve_dtype
+from ninfer.engine import cpu, tp
+from ninfer.models.loader import load_tokenizer, resolve_dtype
 from ninfer.layers.rotary import apply_rope_overrides, scaled_max_position
 
 log = logging.getLogger("ninfer.engine")
@@ -108,7 +107,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, progress: bool = True) -> None:
         self.config = config
         self.kv_format = get_format(config.kv_dtype)        # unknown / refused names fail first
-        self.device = cpu.resolve_device(config.device)
+        self.tp_size = config.tensor_parallel_size
+        devices = tp.rank_devices(cpu.resolve_device(config.device), self.tp_size)
+        self.device = devices[0]
+        self._group: Any = None   # the follower ranks (ninfer.distributed.group), with tensor parallelism
         if config.model:
             from ninfer.checkpoints import resolve_model
             self.model_dir = resolve_model(config.model, progress=progress)
@@ -125,7 +127,7 @@ class LLMEngine:
             why = _DTYPE_NAMES.get(self.dtype, str(self.dtype))
             if config.dtype == "auto":
                 self.dtype, why = cpu.compute_dtype(self.dtype)
-            threads, src = cpu.configure_threads(config.threads)
+            threads, src = tp.threads_per_rank(*cpu.configure_threads(config.threads), self.tp_size)
             host = f" dtype={why} threads={threads} ({src})"
         model_limit = scaled_max_position(mc)
         self.max_context = int(config.max_context or model_limit)
@@ -133,9 +135,28 @@ class LLMEngine:
             log.warning("max_context=%d exceeds the model's %d positions (rope scaling included); "
                         "quality past %d tokens is not what the model was trained for",
                         self.max_context, model_limit, model_limit)
+        try:
+            self._start(mc, devices, progress, host)
+        except BaseException:
+            self.shutdown()   # the followers go with a failed start
+            raise
+        self._seed_rng = random.Random(config.seed)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_steps = 0
+        # Test/bench hook: called with (requests that sample, their float32 logits [N, V]) each step.
+        self.logits_hook: Callable[[list[Request], torch.Tensor], None] | None = None
+
+    def _start(self, mc: ModelConfig, devices: list[torch.device], progress: bool, host: str) -> None:
+        config = self.config
+        mem = device_memory(self.device, config.memory_limit_gib)
+        if self.tp_size > 1:   # the group first: the model and its plan are per rank (tp_size())
+            from ninfer.distributed.group import WorkerGroup
+            self._group = WorkerGroup(self.tp_size, devices, torch.get_num_threads())
+            self._encoder = StepEncoder()
+            mem = tp.least_memory(mem, self._group.memories, self.device.type, self.tp_size)
         # Plan before allocating anything big: ContextDoesNotFit carries the numbers.
         self.cache_spec = declared_cache_spec(mc, self.kv_format)
-        mem = device_memory(self.device, config.memory_limit_gib)
         plan_cfg = config.replace(dtype=_DTYPE_NAMES[self.dtype])
         self.plan: MemoryPlan = plan_for_engine(mc, plan_cfg, mem, self.device.type, max_context=self.max_context,
                                                 cache_spec=self.cache_spec)
@@ -147,28 +168,25 @@ class LLMEngine:
                     plan_for_engine(mc, plan_cfg.replace(kv_capacity=pages * PAGE_SIZE), mem, "cpu",
                                     max_context=self.max_context, cache_spec=self.cache_spec), capacity_mode="auto")
 
-        rope = {"rope_yarn_factor": config.rope_yarn_factor,
-                "rope_original_max_position": config.rope_original_max_position}
-        self.model = load_model(self.model_dir, self.dtype, self.device, rope, progress=progress)
+        # Every rank builds its parts from this one setup (the followers get it on their pipe).
+        setup = RankSetup(config, self.model_dir, self.dtype, self.max_context, self.plan, self.cache_spec)
+        if self._group is not None:
+            self._group.setup(setup)
+        parts = build_rank(setup, self.device, progress=progress)
+        self.model, self.pool, self.backend, self.runner = parts.model, parts.pool, parts.backend, parts.runner
+        if self._group is not None:
+            self._group.wait_loaded()
+        graph_bytes = capture_graphs(self.runner, config)
+        if self._group is not None:
+            self._group.wait_ready()
         self.model_config: ModelConfig = self.model.config
+        self.kv_capacity_tokens = self.pool.capacity_tokens
         self.tokenizer = _tokenizer(self.model_dir)
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
         # Structured output: compiled grammars by spec (thread-safe: the server compiles ahead) and
         # the step's bitmask buffer. Nothing of xgrammar loads until a constrained request comes.
         self.grammars = GrammarCache(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
         self._bitmasks = BitmaskFiller(self.model.config.vocab_size)
-
-        if self.model.cache_specs(self.kv_format) != self.cache_spec:
-            raise RuntimeError("the loaded model declares another cache spec than the one planned")
-        self.pool = KVCachePool.from_plan(self.plan, self.device, self.dtype, spec=self.cache_spec)
-        self.pool.assert_geometry()  # DESIGN 2.2: packed planes are checked, never assumed
-        self.kv_capacity_tokens = self.pool.capacity_tokens
-        # Which kernel serves each attention op is decided here, once; an unsupported format is refused.
-        self.backend = select_backend(self.pool, self.device, self.dtype, self.model.local_heads[0])
-        max_pages = -(-self.max_context // PAGE_SIZE)
-        self.runner = ModelRunner(self.model, self.backend, device=self.device, page_size=PAGE_SIZE,
-                                  max_pages_per_seq=max_pages)
-        graph_bytes = self._maybe_capture_graphs()
         recurrent = self.cache_spec.has_recurrent_state
         # A reused KV page would need the recurrent state at its end, which is not kept: no prefix reuse.
         self.prefix_caching = config.enable_prefix_caching and not recurrent
@@ -190,31 +208,20 @@ class LLMEngine:
                                          f"prefix_reuse={int(self.prefix_caching)} "
                                          f"cuda_graphs={int(self.runner.forward_fn != self.runner.eager_forward)}"
                                          + host]
+        if self._group is not None:
+            self.startup_lines.append(f"tensor parallel: {self.tp_size} ranks, backend={self._group.backend}, "
+                                      f"devices={','.join(str(d) for d in devices)}")
         if recurrent and config.enable_prefix_caching:
             self.startup_lines.append("prefix reuse: off (the model has recurrent layers: a reused KV page would "
                                       "need the recurrent state at its end, which is not kept)")
         for line in self.startup_lines:
             log.info("%s", line)
 
-        self._seed_rng = random.Random(config.seed)
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self.num_steps = 0
-        # Test/bench hook: called with (requests that sample, their float32 logits [N, V]) each step.
-        self.logits_hook: Callable[[list[Request], torch.Tensor], None] | None = None
-
-    def _maybe_capture_graphs(self) -> int:
-        """Decode CUDA graphs (CUDA and not enforce_eager): `ninfer.engine.cuda_graphs.capture_decode_graphs
-        (runner, batch_sizes) -> pool bytes` replaces `runner.forward_fn`. Returns the observed bytes."""
-        if self.device.type != "cuda" or self.config.enforce_eager:
-            return 0
-        try:
-            from ninfer.engine.cuda_graphs import capture_decode_graphs
-        except ImportError as e:
-            log.warning("decode CUDA graphs unavailable (%s); running decode eagerly", e)
-            return 0
-        from ninfer.kvcache.planner import cuda_graph_batch_sizes
-        return int(capture_decode_graphs(self.runner, cuda_graph_batch_sizes(self.config.max_num_seqs)))
+    def shutdown(self) -> None:
+        """End the follower ranks (tensor parallelism); nothing to do for a single-process engine.
+        Also runs when the engine is garbage-collected or the interpreter exits."""
+        if self._group is not None:
+            self._group.close()   # kept: a later step raises instead of running on one rank
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
@@ -271,11 +278,20 @@ class LLMEngine:
             return []
         self.num_steps += 1
         t0 = time.perf_counter()
+        group = self._group
+        if group is not None:   # the followers run the same step: same pages, same collectives
+            group.check()
+            group.send("step", self._encoder.encode(batch))
         try:
             idx, logits = self.runner.execute(batch)
         except ValueError as e:
             # The KV formats refuse NaN/Inf K/V with ValueError: fail this batch's requests, keep serving.
             return self._fail_batch(batch.requests, f"step failed: {e}")
+        except Exception as e:
+            # A collective broken by a follower's death: report the follower, not the collective.
+            if group is not None and (down := group.step_failed(e)) is not None:
+                raise down from e
+            raise
         self.scheduler.after_step(batch)
         if logits is None:
             self.scheduler.observe_step(batch, time.perf_counter() - t0)

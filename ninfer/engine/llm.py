@@ -42,6 +42,16 @@ class LLM:
                                              max_context=max_context, **cfg), progress=progress)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """End the engine's follower ranks now (tensor parallelism); otherwise when it is collected."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     @property
     def startup_lines(self) -> list[str]:
         return self.engine.startup_lines
