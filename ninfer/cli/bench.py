@@ -16,6 +16,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "serve": ("ninfer.bench.serve", "load generator over the OpenAI API: throughput, TTFT, ITL"),
     "prefill": ("ninfer.bench.prefill", "TTFT and prefill tok/s per kv-dtype, vs transformers and SDPA"),
     "structured": ("ninfer.bench.structured", "decode step time with vs without a json_schema constraint"),
+    "peer": ("ninfer.bench.peer", "llama.cpp side by side: build it, same weights, speed at depth and KV KL"),
 }
 
 
