@@ -115,7 +115,7 @@ def test_llama_bench_json_fixture():
     for r in rows:
         assert r["tok_s"] > 0 and r["stddev"] >= 0 and len(r["samples"]) >= 1
         mean = sum(r["samples"]) / len(r["samples"])
-        assert r["tok_s"] == pytest.approx(mean, rel=1e-6)  # avg_ts is the mean of the per-repeat rates
+        assert r["tok_s"] == pytest.approx(mean, rel=1e-4)  # avg_ts is the mean of the per-repeat rates (printed to 6 places)
     with pytest.raises(PeerError):
         R.parse_bench_json("llama-bench: error: no model")
 
@@ -179,3 +179,17 @@ def test_bad_flags_give_one_line(tmp_path, capsys, argv, msg):
     assert main(["bench", "peer", *argv]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"ninfer bench peer {argv[0]}: ") and msg in err[0], err
+
+
+def test_read_kld_tokens(tmp_path):
+    import struct
+    toks = list(range(7, 7 + 2 * 16))
+    path = tmp_path / "base.kld"
+    path.write_bytes(b"_logits_" + struct.pack("<3i", 16, 100, 2) + struct.pack("<32i", *toks) + b"\0" * 64)
+    assert R.read_kld_tokens(path) == (16, 100, toks)
+    path.write_bytes(b"_logits_" + struct.pack("<3i", 16, 100, 2) + struct.pack("<8i", *toks[:8]))
+    with pytest.raises(PeerError, match="truncated"):
+        R.read_kld_tokens(path)
+    path.write_bytes(b"GGUF" + b"\0" * 40)
+    with pytest.raises(PeerError, match="not a llama-perplexity"):
+        R.read_kld_tokens(path)

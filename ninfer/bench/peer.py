@@ -234,14 +234,21 @@ def kl(args: argparse.Namespace, model: str | Path, gguf: Path, work: Path) -> d
     t0 = time.time()
     llama = R.llama_kl(args.bin_dir, gguf, Path(text), work, kvs, ctx=args.ctx, ngl=args.ngl, log=R.stderr_log)
     add_bos = bool(_gguf_field(gguf, "tokenizer.ggml.add_bos_token"))
-    ours = R.ninfer_kl(str(model), Path(text), nkvs, ctx=args.ctx, reference=args.reference, add_bos=add_bos,
+    n_ctx, _, ids = R.read_kld_tokens(Path(llama["base_file"]))  # both engines score llama.cpp's token ids
+    if n_ctx != args.ctx:
+        raise PeerError(f"{llama['base_file']} holds chunks of {n_ctx} tokens, not --ctx {args.ctx}")
+    ours = R.ninfer_kl(str(model), ids, nkvs, ctx=args.ctx, reference=args.reference, add_bos=add_bos,
                        device=args.kl_device, log=R.stderr_log)
-    chunks = {r["chunks"] for r in llama["results"].values()}
-    if chunks and chunks != {ours["chunks"]}:
-        raise PeerError(f"llama.cpp scored {sorted(chunks)} chunks of {args.ctx} tokens and ninfer {ours['chunks']}: "
-                        "the tokenizers disagree on this text, the KL numbers would not be comparable")
+    ours["hf_tokens"] = _hf_token_count(model, Path(text))
     return {"bench": "peer-kl", "model": str(model), "gguf": str(gguf), "text": str(text), "ctx": args.ctx,
             "add_bos": add_bos, "llama_cpp": llama, "ninfer": ours, "seconds": round(time.time() - t0, 1)}
+
+
+def _hf_token_count(model: Path, text: Path) -> int:
+    """Tokens of the text by the checkpoint's HF tokenizer (recorded beside llama.cpp's count)."""
+    from transformers import AutoTokenizer
+    return len(AutoTokenizer.from_pretrained(str(model))(text.read_text(encoding="utf-8"),
+                                                          add_special_tokens=False).input_ids)
 
 
 def _gguf_field(gguf: Path, key: str) -> Any:

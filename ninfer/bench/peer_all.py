@@ -67,10 +67,11 @@ def make_models(names: list[str], work: Path, src: Path, build: bool, log=R.stde
         t0 = time.time()
         gguf = work / f"{name}.bf16.gguf"
         if name == "qwen3-8b":
-            hf, pre = work / "qwen3-8b", "gpt-2"  # byte-level tokenizer: the split cannot change the ids
+            # the probe model's tokenizer: llama.cpp knows no pre-tokenizer that splits as it does, so the GGUF
+            # declares gpt-2's; speed feeds token ids and KL scores llama.cpp's ids in both engines
+            hf, pre = work / "qwen3-8b", "gpt-2"
             if build and not (hf / "config.json").is_file():
-                cmd = [sys.executable, "-m", "ninfer.tools.random_checkpoint", "--preset", "qwen3-8b", "--out", str(hf),
-                       "--tokenizer-from", "byte"]
+                cmd = [sys.executable, "-m", "ninfer.tools.random_checkpoint", "--preset", "qwen3-8b", "--out", str(hf)]
                 log("+ " + " ".join(cmd))
                 r = subprocess.run(cmd, capture_output=True, text=True)
                 if r.returncode != 0:

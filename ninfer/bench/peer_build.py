@@ -131,7 +131,9 @@ def cmake_args(src: Path, build: Path, cuda: bool, arch: str) -> list[str]:
             "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
             "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_SUBPROCESS=OFF",
             "-DBUILD_SHARED_LIBS=ON", "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON", "-DGGML_NATIVE=ON",
-            "-DCMAKE_SKIP_INSTALL_ALL_DEPENDENCY=ON", "-DGGML_CCACHE=OFF"]
+            "-DCMAKE_SKIP_INSTALL_ALL_DEPENDENCY=ON", "-DGGML_CCACHE=OFF",
+            # build-info would otherwise report the commit of the git checkout the tree sits in
+            f"-DLLAMA_BUILD_COMMIT={SDIST.replace('==', '-')}", "-DLLAMA_BUILD_NUMBER=0"]
     if cuda:
         args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={arch}", f"-DGGML_CUDA_FA_QUANTS={FA_QUANTS}",
                  "-DGGML_CUDA_NCCL=OFF"]
@@ -171,8 +173,15 @@ def build(src: Path, build_dir: Path, *, backend: str = "auto", arch: str = "90"
     if save_bin:
         save_bin.mkdir(parents=True, exist_ok=True)
         for p in bins.iterdir():
-            if p.name in TOOLS or ".so" in p.name:
-                shutil.copy2(p, save_bin / p.name, follow_symlinks=True)
+            dst = save_bin / p.name
+            if p.name not in TOOLS and ".so" not in p.name:
+                continue
+            if dst.is_symlink() or dst.exists():
+                dst.unlink()
+            if p.is_symlink():  # libfoo.so -> libfoo.so.0 -> libfoo.so.0.x: one copy of the bytes
+                dst.symlink_to(os.readlink(p))
+            else:
+                shutil.copy2(p, dst)
         bins = save_bin
     return {"backend": "cuda" if cuda else "cpu", "cuda_arch": arch if cuda else None, "jobs": jobs,
             "seconds": round(seconds, 1), "bin_dir": str(bins)}

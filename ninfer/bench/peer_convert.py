@@ -4,9 +4,9 @@
   with sentencepiece installed (it raises FileNotFoundError for a missing file and the converter falls back to
   the HF tokenizer); without the package it would stop at the import instead.
 * `--pre NAME`: the GGUF's tokenizer.ggml.pre is NAME instead of the one the converter looks up by hashing
-  how the tokenizer splits a test string. Only for tokenizers whose split provably cannot matter, e.g. the
-  byte-level tokenizer of random checkpoints (256 byte tokens, no merges: every byte is its own token
-  whatever the pre-tokenizer); `ninfer bench peer` checks the token counts of both engines agree.
+  how the tokenizer splits a test string. For tokenizers llama.cpp has no pre-tokenizer for (random
+  checkpoints carry the probe model's custom split), where only token ids matter: `ninfer bench peer`
+  feeds ids to both engines (speed) or has ninfer score the ids llama-perplexity tokenized (KL).
 
     python -m ninfer.bench.peer_convert LLAMA_SRC [--pre NAME] -- MODEL_DIR --outfile F --outtype bf16
 """

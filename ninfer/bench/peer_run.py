@@ -17,14 +17,17 @@ LLAMA_KV = ("f16", "q8_0", "q4_0")
 
 
 # -- llama.cpp: running and parsing -------------------------------------------------------------
-def run_tool(cmd: list[str], log=print, timeout: float | None = None) -> subprocess.CompletedProcess:
+def run_tool(cmd: list[str], log=print, timeout: float | None = None, merge: bool = False) -> subprocess.CompletedProcess:
+    """Run a llama.cpp tool; merge: stderr into stdout (llama-perplexity's log thread writes its summary to
+    stdout, and with the two streams on separate pipes its tail was seen lost at exit)."""
     log("+ " + " ".join(cmd))
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge else subprocess.PIPE,
+                           text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise PeerError(f"{Path(cmd[0]).name} ran past {timeout:.0f} s")
     if r.returncode != 0:
-        tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-15:])
+        tail = "\n".join((r.stdout + (r.stderr or "")).strip().splitlines()[-15:])
         raise PeerError(f"{Path(cmd[0]).name} failed (exit {r.returncode}):\n{tail}")
     return r
 
@@ -105,17 +108,20 @@ def llama_kl(bin_dir: Path, gguf: Path, text: Path, work: Path, kvs: list[str], 
     """f16-KV logits saved once (--kl-divergence-base), then each quantized KV scored against them."""
     exe = str(tool(bin_dir, "llama-perplexity"))
     base = work / f"{gguf.stem}.f16kv.kld"
-    common = ["-m", str(gguf), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "-fa", "1", "-ngl", str(ngl)]
-    r = run_tool([exe, *common, "-ctk", "f16", "-ctv", "f16", "--kl-divergence-base", str(base)], log)
-    out: dict[str, Any] = {"reference": "f16", "kv_bytes_per_token": {"f16": parse_kv_line(r.stderr + r.stdout)},
+    # -lv 4: the KV cache's size line and its rotation flags are logged at that verbosity
+    common = ["-m", str(gguf), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "-fa", "1", "-ngl", str(ngl), "-lv", "4"]
+    r = run_tool([exe, *common, "-ctk", "f16", "-ctv", "f16", "--kl-divergence-base", str(base)], log, merge=True)
+    out: dict[str, Any] = {"reference": "f16", "base_file": str(base), "kv_bytes_per_token": {"f16": parse_kv_line(r.stdout)},
                            "results": {}}
-    ppl = re.search(r"Final estimate: PPL = " + _NUM + r" \+/- " + _NUM, r.stderr + r.stdout)
+    ppl = re.search(r"Final estimate: PPL = " + _NUM + r" \+/- " + _NUM, r.stdout)
     out["ppl_f16"] = (float(ppl.group(1)), float(ppl.group(2))) if ppl else None
     for kv in kvs:
-        r = run_tool([exe, *common, "-ctk", kv, "-ctv", kv, "--kl-divergence-base", str(base), "--kl-divergence"], log)
-        text_out = r.stderr + r.stdout
+        r = run_tool([exe, *common, "-ctk", kv, "-ctv", kv, "--kl-divergence-base", str(base), "--kl-divergence"], log, merge=True)
+        text_out = r.stdout
         out["results"][kv] = parse_kld(text_out)
         out["kv_bytes_per_token"][kv] = parse_kv_line(text_out)
+        rot = re.search(r"attn_rot_k = (\d+).*?attn_rot_v = (\d+)", text_out, re.S)
+        out["results"][kv]["attn_rot_kv"] = [int(rot.group(1)), int(rot.group(2))] if rot else None
     return out
 
 
@@ -135,15 +141,30 @@ def chunks(ids: list[int], ctx: int, bos: int | None) -> list[list[int]]:
     return out
 
 
-def ninfer_kl(model_dir: str, text: Path, kvs: list[str], *, ctx: int, reference: str = "bf16",
+def read_kld_tokens(path: Path) -> tuple[int, int, list[int]]:
+    """(n_ctx, n_vocab, tokens) of a llama-perplexity --kl-divergence-base file: '_logits_', int32 n_ctx,
+    n_vocab, n_chunk, then the n_chunk * n_ctx token ids it scored (before the per-chunk BOS), then logits."""
+    import struct
+    with open(path, "rb") as f:
+        head = f.read(20)
+        if len(head) < 20 or head[:8] != b"_logits_":
+            raise PeerError(f"{path} is not a llama-perplexity --kl-divergence-base file")
+        n_ctx, n_vocab, n_chunk = struct.unpack("<3i", head[8:])
+        raw = f.read(4 * n_ctx * n_chunk)
+    if len(raw) != 4 * n_ctx * n_chunk:
+        raise PeerError(f"{path} is truncated")
+    return n_ctx, n_vocab, list(struct.unpack(f"<{n_ctx * n_chunk}i", raw))
+
+
+def ninfer_kl(model_dir: str, ids: list[int], kvs: list[str], *, ctx: int, reference: str = "bf16",
               add_bos: bool = False, device: str = "auto", log=print) -> dict[str, Any]:
-    """KL(reference-KV || kv) per scored position, kv_sim's quantize-in-torch attention on the model in float32;
-    mean with its standard error, max, median, 99th percentile and same-top-token rate, as llama-perplexity."""
+    """KL(reference-KV || kv) per scored position of llama-perplexity's token ids and chunks, kv_sim's
+    quantize-in-torch attention on the model in float32; mean with its standard error, max, median, 99th
+    percentile and same-top-token rate, as llama-perplexity reports them."""
     import torch
 
     from ninfer.bench import kv_sim
     model, tok = kv_sim.load(model_dir, device)
-    ids = tok(text.read_text(encoding="utf-8"), add_special_tokens=False).input_ids
     bos = tok.bos_token_id if add_bos else None
     batch = torch.tensor(chunks(ids, ctx, bos), device=model.device)
     first = ctx // 2
