@@ -193,3 +193,17 @@ def test_read_kld_tokens(tmp_path):
     path.write_bytes(b"GGUF" + b"\0" * 40)
     with pytest.raises(PeerError, match="not a llama-perplexity"):
         R.read_kld_tokens(path)
+
+
+def test_all_reports_missing_models_and_writes_its_table(tmp_path, capsys):
+    from ninfer.cli import main
+    bins = tmp_path / "bin"
+    bins.mkdir()
+    (bins / "llama-bench").write_text("")
+    out = tmp_path / "out"
+    rc = main(["bench", "peer", "all", "--out-dir", str(out), "--stages", "speed,kl", "--models", "qwen3-8b",
+               "--work", str(tmp_path / "work"), "--bin-dir", str(bins)])
+    assert rc == 0
+    table = (out / "peer.md").read_text()
+    assert "qwen3-8b: skipped: no checkpoint / GGUF under" in table and table in capsys.readouterr().out
+    assert (out / "models.json").is_file()

@@ -126,6 +126,7 @@ def speed_args(q: argparse.ArgumentParser) -> None:
     q.add_argument("--prompt", type=int, default=512, help="prefill tokens timed at each depth (default %(default)s)")
     q.add_argument("--gen", type=int, default=128, help="decoded tokens timed at each depth (default %(default)s)")
     q.add_argument("--repeats", type=int, default=2, help="timed repeats (default %(default)s)")
+    q.add_argument("--engines", default="llama.cpp,ninfer", help="which engines' speed to run (default %(default)s)")
 
 
 def kl_args(q: argparse.ArgumentParser) -> None:
@@ -181,15 +182,16 @@ def speed(args: argparse.Namespace, model: str | Path, gguf: Path) -> dict[str, 
         raise PeerError(f"--kv-dtype: {e}")
     if args.prompt < 1 or args.gen < 2 or args.repeats < 1:
         raise PeerError("--prompt must be >= 1, --gen >= 2 and --repeats >= 1")
+    engines = _names(args.engines, ("llama.cpp", "ninfer"), "--engines")
     if not Path(gguf).is_file():
         raise PeerError(f"no such GGUF: {gguf}")
     model = model_dir(str(model))
     t0 = time.time()
     llama = R.llama_bench(args.bin_dir, gguf, depths, kvs, n_prompt=args.prompt, n_gen=args.gen,
-                          repeats=args.repeats, ngl=args.ngl, log=R.stderr_log)
+                          repeats=args.repeats, ngl=args.ngl, log=R.stderr_log) if "llama.cpp" in engines else []
     args.model = str(model)
     ninfer = R.ninfer_speed(args, depths, nkvs, n_prompt=args.prompt, n_gen=args.gen, repeats=args.repeats,
-                            log=R.stderr_log)
+                            log=R.stderr_log) if "ninfer" in engines else {}
     return {"bench": "peer-speed", "env": T.environment(args.device), "model": str(model), "gguf": str(gguf),
             "settings": {"depths": depths, "prompt": args.prompt, "gen": args.gen, "repeats": args.repeats,
                          "llama_kv": kvs, "ninfer_kv": nkvs, "ngl": args.ngl, "flash_attn": 1},
