@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     kl.add_argument("--gguf", type=Path, required=True)
     bench_args(kl)
     kl_args(kl)
+    kl.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "ninfer-peer",
+                    help="where llama-perplexity's f16-KV logits go (n_vocab x 2 bytes per scored token)")
 
     al = sub.add_parser("all", help="build, convert, speed and kl for the listed models; JSON and a table to --out-dir")
     build_args(al)
@@ -233,6 +236,7 @@ def kl(args: argparse.Namespace, model: str | Path, gguf: Path, work: Path) -> d
     if not Path(text).is_file():
         raise PeerError(f"no such text file: {text}")
     model = model_dir(str(model))
+    Path(work).mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     llama = R.llama_kl(args.bin_dir, gguf, Path(text), work, kvs, ctx=args.ctx, ngl=args.ngl, log=R.stderr_log)
     add_bos = bool(_gguf_field(gguf, "tokenizer.ggml.add_bos_token"))
@@ -283,8 +287,7 @@ def run(args: argparse.Namespace) -> int:
             print(peer_all.speed_table(res))
             write(args.json, res)
         elif args.action == "kl":
-            work = Path(args.json).parent if args.json and args.json != "-" else Path("/tmp")
-            res = kl(args, args.model, args.gguf, work)
+            res = kl(args, args.model, args.gguf, args.work)
             print(peer_all.kl_table(res))
             write(args.json, res)
         else:
