@@ -17,6 +17,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "prefill": ("ninfer.bench.prefill", "TTFT and prefill tok/s per kv-dtype, vs transformers and SDPA"),
     "gemm": ("ninfer.bench.gemm", "FP8 / NVFP4 weight GEMMs vs bf16 at Qwen3-8B shapes (GPU)"),
     "structured": ("ninfer.bench.structured", "decode step time with vs without a json_schema constraint"),
+    "peer": ("ninfer.bench.peer", "llama.cpp side by side: build it, same weights, speed at depth and KV KL"),
 }
 
 
