@@ -26,6 +26,7 @@ from ninfer.engine.sampling import SampleRow, SamplingParams, sample
 from ninfer.engine.scheduler import Scheduler
 from ninfer.attention.selector import select_backend
 from ninfer.engine.structured import BitmaskFiller, GrammarCache, GrammarState
+from ninfer.kvcache import centering
 from ninfer.kvcache.block_manager import BlockManager
 from ninfer.kvcache.formats import KVFormat, get_format
 from ninfer.kvcache.planner import MemoryPlan, device_memory, plan_for_engine
@@ -165,6 +166,8 @@ class LLMEngine:
         self.kv_capacity_tokens = self.pool.capacity_tokens
         # Which kernel serves each attention op is decided here, once; an unsupported format is refused.
         self.backend = select_backend(self.pool, self.device, self.dtype, self.model_config.num_heads)
+        centring = centering.setup(self.model, self.tokenizer, self.pool, self.device, self.kv_format,
+                                   config.kv_centering)  # before graph capture: the tensors are static
         max_pages = -(-self.max_context // PAGE_SIZE)
         self.runner = ModelRunner(self.model, self.backend, device=self.device, page_size=PAGE_SIZE,
                                   max_pages_per_seq=max_pages)
@@ -181,7 +184,7 @@ class LLMEngine:
         if self.device.type == "cuda":
             free_after = device_memory(self.device, config.memory_limit_gib).free
         self.plan = self.plan.with_observed(graph_bytes=graph_bytes, free_after_startup=free_after)
-        self.startup_lines: list[str] = [self.model.describe(), *self.pool.geometry_lines(),
+        self.startup_lines: list[str] = [self.model.describe(), *self.pool.geometry_lines(), centring,
                                          self.plan.capacity_line(),
                                          "kernels: " + self.backend.kernel_paths(),
                                          f"engine: device={self.device} backend={self.backend.name} "
