@@ -175,3 +175,23 @@ def test_centring_lowers_smollm2_kl() -> None:
     cent = kv_sim.doc_kl(model, ids, refs, codec, keys=kv_sim.key_stats(model, cal, centering.ALPHA))
     for name in docs:
         assert cent[name] < 0.8 * plain[name], (name, cent[name], plain[name])
+
+
+@pytest.mark.slow
+def test_engine_centring_lowers_smollm2_kl() -> None:
+    """The shipped path: rk4v4-e8 engines with centring on and off, teacher-forced along bf16 KV's
+    greedy tokens after a real passage (prefill and decode read the quantized pages)."""
+    from ninfer import LLM
+    from ninfer.bench.kl import compare, teacher_forced
+    from ninfer.bench.kv_sim import documents
+
+    docs = documents()
+    run = {}
+    for kv, on in (("bf16", None), ("rk4v4-e8", True), ("rk4v4-e8", False)):
+        llm = LLM("smollm2", kv_dtype=kv, device="cpu", max_context=256, kv_centering=on)
+        prompts = [llm.engine.tokenizer.encode(docs[n])[:160] for n in ("river", "letter")]
+        run[(kv, on)] = teacher_forced(llm, prompts, 12, None if kv == "bf16" else run[("bf16", None)][0])
+        del llm
+    ref = run[("bf16", None)][1]
+    on, off = compare(ref, run[("rk4v4-e8", True)][1]), compare(ref, run[("rk4v4-e8", False)][1])
+    assert 0 < on["mean_kl"] < 0.8 * off["mean_kl"], (on, off)
