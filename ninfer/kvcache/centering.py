@@ -22,15 +22,12 @@ the rest).
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from ninfer.attention.base import BaseAttentionBackend, StepMetadata
-
-log = logging.getLogger(__name__)
 
 PASSAGE = Path(__file__).resolve().parents[1] / "bench" / "data" / "bread.txt"
 TOKENS = 256   # calibration tokens
