@@ -64,6 +64,7 @@ class EngineConfig:
     device: str = "auto"                     # auto = cuda if available else cpu
     enforce_eager: bool = False              # no CUDA graphs
     enable_prefix_caching: bool = True
+    kv_centering: bool | None = None         # exact key centring before quantization; None = on for quantized KV
     max_num_seqs: int = 64                   # --max-concurrency
     max_num_batched_tokens: int = 8192       # token budget per step = largest prefill chunk
     rope_yarn_factor: float | None = None
@@ -97,6 +98,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
                    help="run decode eagerly (no CUDA graphs)")
     g.add_argument("--no-prefix-reuse", "--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false", help="never reuse cached KV pages of a shared prompt prefix")
+    g.add_argument("--no-kv-centering", dest="kv_centering", action="store_const", const=False, default=None,
+                   help="store keys as they are (default: centred and smoothed, exactly, for quantized KV formats)")
     g.add_argument("--max-concurrency", "--max-num-seqs", dest="max_num_seqs", type=int, default=64,
                    help="most requests running at once")
     g.add_argument("--max-num-batched-tokens", "--prefill-chunk", dest="max_num_batched_tokens",

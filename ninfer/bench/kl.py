@@ -10,9 +10,14 @@ answer tokens, and greedy top-1 agreement. The same runner backs tests/test_engi
 
 ``--text`` scores every position of the shipped English passages instead (``kv_sim.py``: K/V
 quantized inside transformers, per kv-dtype, K only / V only, per layer; ``rk4v4-e8:refit``
-is the candidate scale-refit encoder beside the shipped one, so both compare in one run):
+is the candidate scale-refit encoder beside the shipped one, so both compare in one run). A
+``+c`` suffix stores keys centred and smoothed as the engine does (``kvcache/centering.py``,
+calibrated on its passage, which is then not scored), ``+m`` centred only:
 
-    ninfer bench kl MODEL --text --kv-dtype int8,rk4v4-e8:refit,rk4v4-e8 --planes kv,k,v [--per-layer]
+    ninfer bench kl MODEL --text --kv-dtype int8,rk4v4-e8,rk4v4-e8+c --planes kv,k,v [--per-layer]
+
+The engine's own runs (without ``--text``) use its default, centring on for quantized formats;
+``--no-kv-centering`` turns it off there.
 """
 from __future__ import annotations
 
@@ -71,13 +76,16 @@ def compare(ref_logits: list[torch.Tensor], logits: list[torch.Tensor]) -> dict[
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="HF model directory (default: the bundled probe model)")
     p.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype", default="int8,rk4v4,rk4v4-e8",
-                   help="comma-separated KV formats to compare (default %(default)s)")
+                   help="comma-separated KV formats to compare (default %(default)s; with --text also "
+                        "rk4v4-e8:refit and a +c / +m suffix: keys centred)")
     p.add_argument("--reference", default="bf16", help="reference KV format (default %(default)s)")
     p.add_argument("--contexts", default="4K", help="comma-separated context sizes (needle bench documents)")
     p.add_argument("--docs", type=int, default=1, help="documents per context, 5 questions each")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH")
+    p.add_argument("--no-kv-centering", dest="kv_centering", action="store_const", const=False, default=None,
+                   help="engine runs: store keys as they are (default: centred for quantized formats)")
     p.add_argument("--text", action="store_true", help="KL at every position of the shipped passages")
     p.add_argument("--planes", default="kv", help="with --text: quantized planes, comma-separated kv, k, v")
     p.add_argument("--tokens", type=int, default=384, help="with --text: tokens per passage (default %(default)s)")
@@ -126,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
 
     def engine(kv: str):
         return LLM(model, kv_dtype=kv, device=args.device, max_context=max(contexts) + MAX_TOKENS,
-                   enable_prefix_caching=False)
+                   enable_prefix_caching=False, kv_centering=args.kv_centering)
 
     bar = tqdm(total=(1 + len(kvs)) * len(contexts), desc="kl", unit="run", dynamic_ncols=True)
     bar.set_postfix_str(f"{args.reference} (reference)")

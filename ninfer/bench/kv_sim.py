@@ -43,16 +43,55 @@ def e8_refit(x: torch.Tensor) -> torch.Tensor:
 
 
 def format_codec(name: str) -> Codec:
-    """A servable format's codec (its shipped encoder); ``rk4v4-e8:refit`` is the candidate encoder."""
+    """A servable format's codec (its shipped encoder); ``rk4v4-e8:refit`` is the candidate encoder.
+    A ``+c`` / ``+m`` suffix (key centring, ``centred``) leaves the codec as it is."""
+    name = base_name(name)
     if name == "rk4v4-e8:refit":
         return e8_refit
     f = get_format(name)
     return lambda x: f.decode(*f.encode(x)).float()
 
 
+def base_name(name: str) -> str:
+    return name[:-2] if name.endswith(("+c", "+m")) else name
+
+
+def centred(name: str) -> float | None:
+    """The smoothing strength of a ``+c`` (the engine's, ``centering.ALPHA``) or ``+m`` (centring only:
+    0) name; None without centring."""
+    from ninfer.kvcache import centering
+    return centering.ALPHA if name.endswith("+c") else 0.0 if name.endswith("+m") else None
+
+
+@torch.no_grad()
+def key_stats(model, ids: torch.Tensor, alpha: float) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """``centering.key_statistics`` of every layer's keys (after RoPE and k-norm) over ids [1, T]."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from ninfer.kvcache.centering import key_statistics
+    keys = {}
+
+    def attn(module, query, key, value, attention_mask, **kw):
+        keys[module.layer_idx] = key[0].transpose(0, 1)  # [T, Hkv, D]
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+
+    AttentionInterface.register(_ATTN + "_keys", attn)
+    old = model.config._attn_implementation
+    model.set_attn_implementation(_ATTN + "_keys")
+    try:
+        model(input_ids=ids, use_cache=False)
+    finally:
+        model.set_attn_implementation(old)
+    return {i: key_statistics(k, alpha) for i, k in keys.items()}
+
+
 @contextlib.contextmanager
-def quantized_kv(model, codec: Codec | None, layers: Sequence[int] | None = None, planes: str = "kv") -> Iterator[None]:
-    """Run ``model``'s attention on codec(K), codec(V) of the selected layers (None: all)."""
+def quantized_kv(model, codec: Codec | None, layers: Sequence[int] | None = None, planes: str = "kv",
+                 keys: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> Iterator[None]:
+    """Run ``model``'s attention on codec(K), codec(V) of the selected layers (None: all). With ``keys``
+    (layer -> (m, s), ``key_stats``) K is stored centred: s * codec((K - m) / s) + m, which attends
+    as the engine's (q * s) . codec((k - m) / s) does (the q.m term is the same for every key)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -61,7 +100,11 @@ def quantized_kv(model, codec: Codec | None, layers: Sequence[int] | None = None
     def attn(module, query, key, value, attention_mask, **kw):
         if codec is not None and (chosen is None or module.layer_idx in chosen):
             q = lambda t: codec(t.float().reshape(-1, t.shape[-1])).reshape(t.shape).to(t.dtype)  # noqa: E731
-            key = q(key) if "k" in planes else key
+            if keys is not None and "k" in planes:
+                m, s = (x.to(key.device, torch.float64)[None, :, None, :] for x in keys[module.layer_idx])
+                key = (q(((key.double() - m) / s).float()).double() * s + m).to(key.dtype)
+            elif "k" in planes:
+                key = q(key)
             value = q(value) if "v" in planes else value
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
@@ -100,21 +143,22 @@ def kl(ref_lp: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def doc_kl(model, ids: dict[str, torch.Tensor], refs: dict[str, torch.Tensor], codec: Codec,
-           layers: Sequence[int] | None = None, planes: str = "kv") -> dict[str, float]:
+           layers: Sequence[int] | None = None, planes: str = "kv", keys: dict | None = None) -> dict[str, float]:
     """Mean next-token KL per document with the given quantization."""
     out = {}
-    with quantized_kv(model, codec, layers, planes):
+    with quantized_kv(model, codec, layers, planes, keys):
         for name, x in ids.items():
             out[name] = float(kl(refs[name], log_probs(model, x)).mean())
     return out
 
 
 def codec_names(spec: str) -> list[str]:
-    """Comma-separated servable kv-dtypes and ``rk4v4-e8:refit``; unknown names raise ValueError."""
+    """Comma-separated servable kv-dtypes and ``rk4v4-e8:refit``, each optionally with ``+c`` or ``+m``
+    (keys centred, ``centred``); unknown names raise ValueError."""
     names = [s.strip().lower() for s in spec.split(",") if s.strip()]
     for n in names:
-        if n != "rk4v4-e8:refit":
-            get_format(n)
+        if base_name(n) != "rk4v4-e8:refit":
+            get_format(base_name(n))
     if not names:
         raise ValueError("give at least one kv-dtype")
     return names
@@ -133,12 +177,20 @@ def run_text(args) -> dict:
     if args.tokens < 2:
         raise ValueError("--tokens must be >= 2")
     model, tok = load(args.model, args.device)
-    ids = token_ids(tok, documents(), args.tokens, model.device)
+    docs = documents()
+    stats = {}
+    if any(centred(n) is not None for n in names):  # the engine's calibration; the passage is not scored
+        from ninfer.kvcache import centering
+        cal = token_ids(tok, {"cal": centering.PASSAGE.read_text(encoding="utf-8")}, centering.TOKENS,
+                        model.device)["cal"]
+        stats = {a: key_stats(model, cal, a) for a in {centred(n) for n in names} - {None}}
+        docs.pop(centering.PASSAGE.stem, None)
+    ids = token_ids(tok, docs, args.tokens, model.device)
     refs = {k: log_probs(model, x) for k, x in ids.items()}
     rows = []
     for name in names:
         for pl in planes:
-            per_doc = doc_kl(model, ids, refs, format_codec(name), planes=pl)
+            per_doc = doc_kl(model, ids, refs, format_codec(name), planes=pl, keys=stats.get(centred(name)))
             v = list(per_doc.values())
             rows.append({"kv_dtype": name, "planes": pl, "mean_kl": sum(v) / len(v), "min_doc": min(v),
                          "max_doc": max(v), "docs": per_doc})
@@ -146,7 +198,8 @@ def run_text(args) -> dict:
     if args.per_layer:
         for name in names:
             per_layer[name] = [sum(d.values()) / len(d) for d in
-                               (doc_kl(model, ids, refs, format_codec(name), layers=[i])
+                               (doc_kl(model, ids, refs, format_codec(name), layers=[i],
+                                       keys=stats.get(centred(name)))
                                 for i in range(model.config.num_hidden_layers))]
     return {"bench": "kl-text", "model": args.model, "tokens": {k: int(x.shape[1]) for k, x in ids.items()},
             "rows": rows, "per_layer": per_layer, "seconds": round(time.time() - t0, 1)}

@@ -32,7 +32,7 @@ from ninfer.kvcache.planner import MemoryPlan, device_memory, plan_for_engine
 from ninfer.kvcache.spec import CacheSpec
 from ninfer.model_config import ModelConfig
 from ninfer.engine import cpu, tp
-from ninfer.models.loader import load_tokenizer, resolve_dtype
+from ninfer.models.loader import resolve_dtype
 from ninfer.layers.rotary import apply_rope_overrides, scaled_max_position
 
 log = logging.getLogger("ninfer.engine")
@@ -80,19 +80,6 @@ def _eos_token_ids(model_dir: Path, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
-
-
-def _tokenizer(model_dir: Path) -> Any:
-    """The checkpoint's tokenizer, or None when it ships no tokenizer files at all (as vLLM's
-    skip_tokenizer_init: prompts must then be token ids and outputs carry ids, no text)."""
-    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
-        log.warning("no tokenizer files in %s: prompts must be token ids, and outputs have no text", model_dir)
-        return None
-    try:
-        return load_tokenizer(model_dir)
-    except ValueError as e:  # keep the first line: transformers' own text runs on for several
-        raise ValueError(str(e).strip().splitlines()[0].rstrip(": ")) from None
 
 
 def declared_cache_spec(mc: ModelConfig, fmt: KVFormat) -> CacheSpec:
@@ -174,6 +161,7 @@ class LLMEngine:
             self._group.setup(setup)
         parts = build_rank(setup, self.device, progress=progress)
         self.model, self.pool, self.backend, self.runner = parts.model, parts.pool, parts.backend, parts.runner
+        centring = parts.centring
         if self._group is not None:
             self._group.wait_loaded()
         graph_bytes = capture_graphs(self.runner, config)
@@ -181,7 +169,7 @@ class LLMEngine:
             self._group.wait_ready()
         self.model_config: ModelConfig = self.model.config
         self.kv_capacity_tokens = self.pool.capacity_tokens
-        self.tokenizer = _tokenizer(self.model_dir)
+        self.tokenizer = parts.tokenizer
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.tokenizer)
         # Structured output: compiled grammars by spec (thread-safe: the server compiles ahead) and
         # the step's bitmask buffer. Nothing of xgrammar loads until a constrained request comes.
@@ -199,7 +187,7 @@ class LLMEngine:
         if self.device.type == "cuda":
             free_after = device_memory(self.device, config.memory_limit_gib).free
         self.plan = self.plan.with_observed(graph_bytes=graph_bytes, free_after_startup=free_after)
-        self.startup_lines: list[str] = [self.model.describe(), *self.pool.geometry_lines(),
+        self.startup_lines: list[str] = [self.model.describe(), *self.pool.geometry_lines(), centring,
                                          self.plan.capacity_line(),
                                          "kernels: " + self.backend.kernel_paths(),
                                          f"engine: device={self.device} backend={self.backend.name} "

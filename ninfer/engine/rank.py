@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,9 +17,24 @@ from ninfer.kvcache.formats import get_format
 from ninfer.kvcache.planner import MemoryPlan
 from ninfer.kvcache.pool import KVCachePool
 from ninfer.kvcache.spec import CacheSpec
-from ninfer.models.loader import load_model
+from ninfer.kvcache import centering
+from ninfer.models.loader import load_model, load_tokenizer
 
 log = logging.getLogger("ninfer.engine")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
+def load_tokenizer_or_none(model_dir: Path) -> Any:
+    """The checkpoint's tokenizer, or None when it ships no tokenizer files at all (as vLLM's
+    skip_tokenizer_init: prompts must then be token ids and outputs carry ids, no text)."""
+    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+        log.warning("no tokenizer files in %s: prompts must be token ids, and outputs have no text", model_dir)
+        return None
+    try:
+        return load_tokenizer(model_dir)
+    except ValueError as e:  # keep the first line: transformers' own text runs on for several
+        raise ValueError(str(e).strip().splitlines()[0].rstrip(": ")) from None
+
 
 
 @dataclass(frozen=True)
@@ -38,6 +54,8 @@ class RankParts:
     pool: KVCachePool
     backend: object
     runner: ModelRunner
+    tokenizer: Any
+    centring: str   # the key-centring startup line
 
 
 def build_rank(setup: RankSetup, device: torch.device, *, progress: bool = False) -> RankParts:
@@ -50,9 +68,13 @@ def build_rank(setup: RankSetup, device: torch.device, *, progress: bool = False
     pool.assert_geometry()  # DESIGN 2.2: packed planes are checked, never assumed
     # Which kernel serves each attention op is decided here, once; an unsupported format is refused.
     backend = select_backend(pool, device, setup.dtype, model.local_heads[0])
+    # Every rank calibrates its heads' key centring from the same passage (the forward's collectives
+    # run in lock-step), before graph capture: the tensors are static.
+    tokenizer = load_tokenizer_or_none(setup.model_dir)
+    centring = centering.setup(model, tokenizer, pool, device, get_format(cfg.kv_dtype), cfg.kv_centering)
     runner = ModelRunner(model, backend, device=device, page_size=PAGE_SIZE,
                          max_pages_per_seq=-(-setup.max_context // PAGE_SIZE))
-    return RankParts(model, pool, backend, runner)
+    return RankParts(model, pool, backend, runner, tokenizer, centring)
 
 
 def capture_graphs(runner: ModelRunner, config: EngineConfig) -> int:

@@ -36,6 +36,7 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.key_transform = None  # exact key centring/smoothing before the cache (kvcache/centering.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 backend: BaseAttentionBackend) -> torch.Tensor:
@@ -52,5 +53,7 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.key_transform is not None:
+            q, k = self.key_transform(q, k)
         out = backend.forward(self.kv_layer, q, k, v, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))

@@ -49,6 +49,7 @@ class GatedAttention(nn.Module):
         self.o_proj = RowParallelLinear(q, h, bias=bias)
         self.q_norm = OffsetRMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(d, cfg.rms_norm_eps)
+        self.key_transform = None  # exact key centring/smoothing before the cache (kvcache/centering.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 backend: BaseAttentionBackend) -> torch.Tensor:
@@ -58,6 +59,8 @@ class GatedAttention(nn.Module):
         q = apply_rotary(self.q_norm(q), cos, sin)
         k = apply_rotary(self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)), cos, sin)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.key_transform is not None:
+            q, k = self.key_transform(q, k)
         out = backend.forward(self.kv_layer, q, k, v, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size) * torch.sigmoid(gate.reshape(t, self.q_size)))
 
