@@ -5,7 +5,8 @@ Conversation with the driver over a pipe (`conn`), in order:
     -> ("up", DeviceMemory)          device bound; then init_tp (the driver's rendezvous)
     <- ("setup", RankSetup)          the driver's plan
     -> ("loaded", None)              model, pool, backend, runner built
-    <- ("go", None)                  every rank loaded: capture the decode graphs (collectives inside)
+    <- ("go", None)                  every rank loaded: calibrate the key centring, capture the decode
+                                     graphs (both run collectives)
     -> ("ready", None)
     <- ("step", message) ...         see step_message; ("exit", None) ends it
     <- ("digest", None) -> ("digest", hash of the KV pool)   the lock-step check
@@ -76,12 +77,14 @@ def worker_main(rank: int, world_size: int, init_method: str, device: str, threa
         if kind != "setup":
             _quit(0)
         stage = "load the model"
-        from ninfer.engine.rank import build_rank, capture_graphs
+        from ninfer.engine.rank import build_rank, capture_graphs, centre_keys
         parts = build_rank(setup, dev)
         conn.send(("loaded", None))
         kind, _ = conn.recv()
         if kind != "go":
             _quit(0)
+        stage = "calibrate the key centring"
+        centre_keys(parts, setup, dev)
         stage = "capture CUDA graphs"
         capture_graphs(parts.runner, setup.config)
         conn.send(("ready", None))

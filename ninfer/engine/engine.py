@@ -21,7 +21,7 @@ import torch
 from ninfer.config import DEFAULT_MODEL_DIR, PAGE_SIZE, EngineConfig
 from ninfer.distributed.step_message import StepEncoder
 from ninfer.engine.detokenizer import IncrementalDetokenizer
-from ninfer.engine.rank import RankSetup, build_rank, capture_graphs
+from ninfer.engine.rank import RankSetup, build_rank, capture_graphs, centre_keys
 from ninfer.engine.request import Request, RequestOutput
 from ninfer.engine.sampling import SampleRow, SamplingParams, sample
 from ninfer.engine.scheduler import Scheduler
@@ -161,9 +161,9 @@ class LLMEngine:
             self._group.setup(setup)
         parts = build_rank(setup, self.device, progress=progress)
         self.model, self.pool, self.backend, self.runner = parts.model, parts.pool, parts.backend, parts.runner
-        centring = parts.centring
         if self._group is not None:
             self._group.wait_loaded()
+        centring = centre_keys(parts, setup, self.device)
         graph_bytes = capture_graphs(self.runner, config)
         if self._group is not None:
             self._group.wait_ready()

@@ -55,7 +55,6 @@ class RankParts:
     backend: object
     runner: ModelRunner
     tokenizer: Any
-    centring: str   # the key-centring startup line
 
 
 def build_rank(setup: RankSetup, device: torch.device, *, progress: bool = False) -> RankParts:
@@ -68,13 +67,18 @@ def build_rank(setup: RankSetup, device: torch.device, *, progress: bool = False
     pool.assert_geometry()  # DESIGN 2.2: packed planes are checked, never assumed
     # Which kernel serves each attention op is decided here, once; an unsupported format is refused.
     backend = select_backend(pool, device, setup.dtype, model.local_heads[0])
-    # Every rank calibrates its heads' key centring from the same passage (the forward's collectives
-    # run in lock-step), before graph capture: the tensors are static.
     tokenizer = load_tokenizer_or_none(setup.model_dir)
-    centring = centering.setup(model, tokenizer, pool, device, get_format(cfg.kv_dtype), cfg.kv_centering)
     runner = ModelRunner(model, backend, device=device, page_size=PAGE_SIZE,
                          max_pages_per_seq=-(-setup.max_context // PAGE_SIZE))
-    return RankParts(model, pool, backend, runner, tokenizer, centring)
+    return RankParts(model, pool, backend, runner, tokenizer)
+
+
+def centre_keys(parts: RankParts, setup: RankSetup, device: torch.device) -> str:
+    """Calibrate and install the key centring (ninfer/kvcache/centering.py); returns its startup line.
+    Every rank runs it once all ranks have loaded (the calibration forward's collectives run in
+    lock-step), and before graph capture: the tensors are static."""
+    return centering.setup(parts.model, parts.tokenizer, parts.pool, device, get_format(setup.config.kv_dtype),
+                           setup.config.kv_centering)
 
 
 def capture_graphs(runner: ModelRunner, config: EngineConfig) -> int:
