@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import socket
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -139,32 +135,12 @@ def test_generate_chat_answers_paris(smollm2: Path, capsys: pytest.CaptureFixtur
 
 
 def test_serve_answers_through_openai_client(smollm2: Path) -> None:
-    import httpx
     import openai
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-c", "import sys; from ninfer.cli import serve_main; sys.exit(serve_main())",
-           str(smollm2), "--port", str(port), "--device", "cpu", "--max-model-len", "1024",
-           "--served-model-name", "smollm2", "--disable-access-log", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out: list[str] = []
-    reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
-    reader.start()
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline, ok = time.monotonic() + 120, False
-        while time.monotonic() < deadline and proc.poll() is None and not ok:
-            try:
-                ok = httpx.get(f"{url}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        assert ok, "".join(out)
+    from tests.serve_proc import serve_process
+    with serve_process(str(smollm2), "--device", "cpu", "--max-model-len", "1024", "--served-model-name", "smollm2",
+                       "--disable-access-log", "--log-level", "warning", timeout_s=120) as srv:
+        url = srv.url
         c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         r = c.chat.completions.create(model="smollm2", temperature=0, max_tokens=24,
                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in (r.choices[0].message.content or ""), r
-    finally:
-        proc.terminate()
-        proc.wait(20)
-        reader.join(5)

@@ -11,13 +11,11 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import random
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -27,6 +25,7 @@ import httpx
 import pytest
 import torch
 
+from tests.serve_proc import free_port, serve_cmd, serve_process
 from tests.test_server import CHAT, KEY, REPO, LiveServer, assert_envelope, make_server, post
 
 LONG_CONTEXT = 9216
@@ -319,16 +318,6 @@ def test_state_slot_gauges_on_a_hybrid_model(tmp_path_factory: pytest.TempPathFa
 # ------------------------------------------------------------------------------------ the process
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _serve_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-c", "import sys; from ninfer.cli import serve_main; sys.exit(serve_main())", *args]
-
-
 def test_sigterm_drains_live_streams(long_model_dir: Path) -> None:
     """The real command: startup lines (default rk4v4-e8 KV), the API key, --max-tokens-default
     capping a request without max_tokens, then SIGTERM with four live streams: no new connection,
@@ -336,24 +325,10 @@ def test_sigterm_drains_live_streams(long_model_dir: Path) -> None:
     inside it finishes normally, exit 0, no traceback."""
     import openai
 
-    port = _free_port()
-    proc = subprocess.Popen(_serve_cmd(str(long_model_dir), "--port", str(port), "--device", "cpu",
-                                       "--max-model-len", "4096", "--kv-capacity", "16384", "--api-key", KEY,
-                                       "--shutdown-timeout", "2", "--max-tokens-default", "3", "--disable-access-log"),
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    out: list[str] = []
-    reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
-    reader.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline, ok = time.monotonic() + 90, False
-        while time.monotonic() < deadline and proc.poll() is None and not ok:
-            try:
-                ok = httpx.get(f"{url}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        assert ok, "".join(out)
+    with serve_process(str(long_model_dir), "--device", "cpu", "--max-model-len", "4096", "--kv-capacity", "16384",
+                       "--api-key", KEY, "--shutdown-timeout", "2", "--max-tokens-default", "3", "--disable-access-log",
+                       timeout_s=90, env={"OMP_NUM_THREADS": "1"}) as srv:
+        proc, url = srv.proc, srv.url
         c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
         assert c.models.list().data[0].id == long_model_dir.name
         r = c.completions.create(model=long_model_dir.name, prompt="hello", extra_body={"ignore_eos": True})
@@ -379,12 +354,7 @@ def test_sigterm_drains_live_streams(long_model_dir: Path) -> None:
         took = time.monotonic() - signalled
         for th in threads:
             th.join(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        reader.join(5)
-    log = "".join(out)
+    log = srv.log
     assert "kv planes: kv_dtype=rk4v4-e8" in log and "KV capacity" in log and "ready on http://127.0.0.1" in log, log
     assert rc == 0 and took < 2 + 5, (rc, took, log)
     for i in range(4):
@@ -397,7 +367,7 @@ def test_sigterm_drains_live_streams(long_model_dir: Path) -> None:
 def test_bad_flags_fail_in_one_line() -> None:
     cases = [(["--port", "99999"], "port"), (["--host", "256.1.1.1"], "256.1.1.1"), (["--port", "http"], "port"),
              (["--shutdown-timeout", "-1"], "shutdown-timeout"), (["--max-tokens-default", "0"], "max-tokens-default")]
-    procs = [subprocess.Popen(_serve_cmd(*argv), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen(serve_cmd(*argv), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for argv, _ in cases]
     for (argv, says), proc in zip(cases, procs):
         stdout, stderr = proc.communicate(timeout=60)
@@ -430,7 +400,7 @@ def test_engines_that_cannot_load_fail_before_binding(long_model_dir: Path, tmp_
     ]
     try:
         for argv, status, says in cases:
-            port = _free_port()
+            port = free_port()
             argv = [*argv, "--device", "cpu", *([] if "--port" in argv else ["--port", str(port)])]
             with pytest.raises(SystemExit) as exit_info:
                 serve_main(argv)

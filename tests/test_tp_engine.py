@@ -9,10 +9,7 @@ import dataclasses
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -206,30 +203,13 @@ def _children(pid: int) -> list[int]:
 
 
 def test_server_tp2_answers_and_leaves_no_follower(tiny_checkpoint) -> None:
-    import socket
-
     import psutil
     model = _ckpt(tiny_checkpoint, "qwen3")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-c", "import sys; from ninfer.cli import serve_main; sys.exit(serve_main())", str(model),
-           "--port", str(port), "--device", "cpu", "-tp", "2", "--max-model-len", "256", "--kv-capacity", "512",
-           "--kv-dtype", "int8", "--disable-access-log", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    out: list[str] = []
-    reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
-    reader.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline, ok = time.monotonic() + TIMEOUT_S, False
-        while time.monotonic() < deadline and proc.poll() is None and not ok:
-            try:
-                ok = httpx.get(f"{url}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        assert ok, "".join(out)
+    from tests.serve_proc import serve_process
+    with serve_process(str(model), "--device", "cpu", "-tp", "2", "--max-model-len", "256", "--kv-capacity", "512",
+                       "--kv-dtype", "int8", "--disable-access-log", "--log-level", "warning", timeout_s=TIMEOUT_S,
+                       env={"OMP_NUM_THREADS": "1"}) as srv:
+        proc, url = srv.proc, srv.url
         followers = _children(proc.pid)
         assert followers, "no follower process"
         r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
@@ -238,12 +218,7 @@ def test_server_tp2_answers_and_leaves_no_follower(tiny_checkpoint) -> None:
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        reader.join(5)
-    log = "".join(out)
+    log = srv.log
     assert rc == 0 and "tensor parallel: 2 ranks, backend=gloo" in log, log
     time.sleep(0.5)
     assert not [p for p in followers if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"], log
