@@ -39,3 +39,15 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
 def tiny_model_dir(tiny_checkpoint: Callable[..., Path]) -> Path:
     """The default tiny Qwen3 (hidden 64, 2 layers, 6 q heads / 1 kv head, head_dim 64, fp32)."""
     return tiny_checkpoint()
+
+
+@pytest.fixture
+def as_rank(monkeypatch: pytest.MonkeyPatch):
+    """`as_rank(rank, size)`: this process builds and loads as that tensor-parallel rank (construction
+    and loading run no collective, so no group is needed)."""
+    from ninfer.distributed import parallel_state as ps
+
+    def set_rank(rank: int, size: int) -> None:
+        monkeypatch.setattr(ps, "_RANK", rank)
+        monkeypatch.setattr(ps, "_SIZE", size)
+    return set_rank

@@ -200,15 +200,6 @@ def test_two_gpus_over_nccl_match_one_gpu(checkpoints: dict[str, Path], tmp_path
 # ---- in one process: a rank's construction and loading need no collective, so the group's size
 # and rank are set by hand
 
-@pytest.fixture
-def as_rank(monkeypatch: pytest.MonkeyPatch):
-    from ninfer.distributed import parallel_state as ps
-
-    def set_rank(rank: int, size: int) -> None:
-        monkeypatch.setattr(ps, "_RANK", rank)
-        monkeypatch.setattr(ps, "_SIZE", size)
-    return set_rank
-
 
 def _copy(src: Path, dst: Path) -> Path:
     import shutil

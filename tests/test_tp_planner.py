@@ -36,15 +36,6 @@ def _plan(cfg: dict, tp: int, **kw):
     return plan_memory(ModelConfig.from_dict(cfg), **{**args, **kw}, tensor_parallel_size=tp)
 
 
-@pytest.fixture
-def as_rank(monkeypatch: pytest.MonkeyPatch):
-    from ninfer.distributed import parallel_state as ps
-
-    def set_rank(rank: int, size: int) -> None:
-        monkeypatch.setattr(ps, "_RANK", rank)
-        monkeypatch.setattr(ps, "_SIZE", size)
-    return set_rank
-
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_dense_weight_shard_by_hand(tp: int) -> None:
