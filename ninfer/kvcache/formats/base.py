@@ -27,6 +27,7 @@ NaN/Inf input, or a group whose scale would overflow fp16, raises ValueError.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -93,7 +94,7 @@ def code_units(x: torch.Tensor, s: torch.Tensor, grid: float | None = None) -> t
 
 
 @dataclass(frozen=True)
-class KVFormat:
+class KVFormat(ABC):
     """Base class of every KV format; a subclass implements ``_encode`` (and ``decode_codes`` if
     it has scales). Instances are immutable and hashable (kernels cache compiled variants on them)."""
     name: str
@@ -158,8 +159,9 @@ class KVFormat:
         self._check_dim(x.shape[-1])
         return self._encode(x)
 
+    @abstractmethod
     def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        raise NotImplementedError(f"kv_dtype={self.name} has no encoder")
+        """x [..., D] float, finite -> (data, scale or None): the format's encoder."""
 
     def decode_codes(self, data: torch.Tensor) -> torch.Tensor:
         """Code values (before scaling) as float32 [..., D]."""
@@ -186,8 +188,9 @@ class ScaledFormat(KVFormat):
 
     code_grid: float | None = None  # code units rounded to this grid (rk4v4-e8), else float32 products
 
+    @abstractmethod
     def quantize(self, z: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Code units (x / scale, rotated if the format is) -> the stored codes."""
 
     def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         xr = rotate(x).to(torch.float32) if self.rotated else x.to(torch.float32)
