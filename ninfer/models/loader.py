@@ -134,12 +134,13 @@ def load_weights(model: CausalLM, model_dir: Path, *, progress: bool = True) -> 
                     target = cmap[name]
                     param = params[target.param]
                     try:
-                        shape = tuple(f.get_slice(name).get_shape())
+                        header = f.get_slice(name)  # shape and dtype from the header, nothing read yet
+                        shape = tuple(header.get_shape())
                         if shape != target.shape and not (math.prod(shape) == 1 == math.prod(target.shape)):
                             raise CheckpointError(
                                 f"{path}: tensor {name} has shape {list(shape)}, but the config "
                                 f"({model.config.architecture}) needs {list(target.shape)}")
-                        stored = _PACKED_DTYPES.get(f.get_slice(name).get_dtype())
+                        stored = _PACKED_DTYPES.get(header.get_dtype())
                         if stored is not None and param.dtype != stored:
                             raise CheckpointError(
                                 f"{path}: tensor {name} is {stored} (quantized) but loads into a "
