@@ -37,7 +37,9 @@ SKIP = 1       # leading tokens left out of the statistics (the attention sink)
 
 class KeyTransform:
     """q, k -> q * s, (k - m) / s for one attention layer; the tensors are fixed buffers (CUDA graphs
-    replay them), in the model's dtype. shift, key_scale [Hkv, D]; query_scale [Hq, D]."""
+    replay them), in the model's dtype. shift, key_scale [Hkv, D]; query_scale [Hq, D]. This torch
+    path is the CPU's and the reference; on CUDA the layers hand the tensors to the fused
+    ``qk_norm_rope`` kernel, which rounds every op as these do (bit-equal)."""
 
     def __init__(self, shift: torch.Tensor, scale: torch.Tensor, num_heads: int) -> None:
         self.shift = shift
@@ -46,6 +48,10 @@ class KeyTransform:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q * self.query_scale, (k - self.shift) * self.key_scale
+
+    def fused_args(self) -> dict[str, torch.Tensor]:
+        """The same transform as ``qk_norm_rope``'s keywords (applied after RoPE, rounded as here)."""
+        return {"q_scale": self.query_scale, "k_shift": self.shift, "k_scale": self.key_scale}
 
 
 def key_statistics(keys: torch.Tensor, alpha: float = ALPHA, skip: int = SKIP) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,7 @@
 """The attention layer: q/k/v projections (one merged matmul), optional per-head q/k RMSNorm (before
-RoPE), RoPE, then the attention backend (which stores K/V in the paged cache and attends), then
-o_proj. On CUDA the q/k norm and RoPE run as one Triton kernel (ninfer/kernels/qk_norm_rope.py).
+RoPE), RoPE, key centring (when installed), then the attention backend (which stores K/V in the paged
+cache and attends), then o_proj. On CUDA the q/k norm, RoPE and key centring run as one Triton
+kernel (ninfer/kernels/qk_norm_rope.py).
 
 Tensor parallel: the head counts given are the model's; each rank computes num_heads / N query
 heads and num_kv_heads / N KV heads (q|k|v column-parallel by heads, o_proj row-parallel), so the
@@ -45,15 +46,17 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        tf = self.key_transform
         if fused.use_fused_kernels(q):  # q/k stay strided views of the qkv output; one launch for both
             norm = self.q_norm is not None
             q, k = qk_norm_rope(q, k, cos, sin, self.q_norm.weight if norm else None,
-                                self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0)
+                                self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
+                                **(tf.fused_args() if tf is not None else {}))
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.key_transform is not None:
-            q, k = self.key_transform(q, k)
+            if tf is not None:
+                q, k = tf(q, k)
         out = backend.forward(self.kv_layer, q, k, v, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))

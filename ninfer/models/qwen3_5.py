@@ -3,7 +3,8 @@ of Gated DeltaNet linear-attention layers (ninfer/layers/gdn.py) and gated full-
 (`layer_types`, or every `full_attention_interval`-th layer), each followed by a SwiGLU MLP.
 
 Full attention here: q_proj yields per head the query and an output gate ([H, 2D], query first),
-q/k get an offset RMSNorm (1 + w), RoPE turns only the first `partial_rotary_factor` of each head
+q/k get an offset RMSNorm (1 + w) (on CUDA fused with RoPE and key centring:
+ninfer/kernels/qk_norm_rope.py), RoPE turns only the first `partial_rotary_factor` of each head
 (text positions: the three mRoPE sections coincide, so it is plain RoPE), and the attention output
 is multiplied by sigmoid(gate) before o_proj. All norms are offset RMSNorms except the gated one
 inside the GDN layer. Only attention layers hold paged KV; GDN layers hold a state slot per
@@ -23,7 +24,7 @@ from torch import nn
 
 from ninfer.attention.base import AttentionMetadata, BaseAttentionBackend
 from ninfer.distributed import parallel_state as ps
-from ninfer.layers import gdn
+from ninfer.layers import fused, gdn
 from ninfer.layers.linear import MergedLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from ninfer.layers.mlp import GatedMLP
 from ninfer.layers.norm import OffsetRMSNorm
@@ -33,6 +34,7 @@ from ninfer.model_config import ConfigError, ModelConfig
 from ninfer.models.base import CausalLM
 
 log = logging.getLogger(__name__)
+qk_norm_rope = fused.lazy_kernel("ninfer.kernels.qk_norm_rope", "qk_norm_rope")
 
 
 class GatedAttention(nn.Module):
@@ -56,11 +58,16 @@ class GatedAttention(nn.Module):
         t = x.shape[0]
         qg, k, v = self.qkv_proj(x).split((2 * self.q_size, self.kv_size, self.kv_size), dim=-1)
         q, gate = qg.reshape(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = apply_rotary(self.q_norm(q), cos, sin)
-        k = apply_rotary(self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)), cos, sin)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.key_transform is not None:
-            q, k = self.key_transform(q, k)
+        tf = self.key_transform
+        if fused.use_fused_kernels(q):  # offset q/k norm, RoPE and key centring in one launch
+            q, k = qk_norm_rope(q, k, cos, sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                offset_norm=True, **(tf.fused_args() if tf is not None else {}))
+        else:
+            q, k = apply_rotary(self.q_norm(q), cos, sin), apply_rotary(self.k_norm(k), cos, sin)
+            if tf is not None:
+                q, k = tf(q, k)
         out = backend.forward(self.kv_layer, q, k, v, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size) * torch.sigmoid(gate.reshape(t, self.q_size)))
 
