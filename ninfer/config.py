@@ -66,7 +66,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_centering: bool | None = None         # exact key centring before quantization; None = on for quantized KV
     max_num_seqs: int = 64                   # --max-concurrency
-    max_num_batched_tokens: int = 8192       # token budget per step = largest prefill chunk
+    max_num_batched_tokens: int | str = "auto"  # token budget per step = largest prefill chunk; auto: the planner's
     rope_yarn_factor: float | None = None
     rope_original_max_position: int | None = None
     seed: int = 0
@@ -103,7 +103,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_positional: bool = True
     g.add_argument("--max-concurrency", "--max-num-seqs", dest="max_num_seqs", type=int, default=64,
                    help="most requests running at once")
     g.add_argument("--max-num-batched-tokens", "--prefill-chunk", dest="max_num_batched_tokens",
-                   type=parse_token_count, default=8192, help="token budget per step (largest prefill chunk)")
+                   type=_capacity, default="auto",
+                   help="token budget per step (largest prefill chunk), or auto (default): on a GPU the largest of "
+                        "32K/16K/8K whose activation workspace costs at most 2%% of the KV pool; 8K on CPU")
     g.add_argument("--rope-yarn-factor", dest="rope_yarn_factor", type=_positive_float, default=None,
                    help="extend the context with YaRN by this factor")
     g.add_argument("--rope-original-max-position", dest="rope_original_max_position", type=parse_token_count,

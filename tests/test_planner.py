@@ -1,11 +1,13 @@
 """Memory planner: bytes per token per format, every reservation term against hand arithmetic,
-refusal numbers, the largest context that fits, the capacity line, and `ninfer plan` exit codes."""
+refusal numbers, the largest context that fits, the capacity line, the prefill chunk the planner
+picks ("auto"), and `ninfer plan` exit codes."""
 from __future__ import annotations
 
 import json
 import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -173,7 +175,7 @@ def test_bad_knobs():
 X = r"-?\d+\.\d\d (?:GiB|MiB)"
 LINE = re.compile(rf"^KV capacity (auto|explicit) resolved=(\d+) tokens pages=(\d+) bytes/token=(\d+) "
                   rf"runtime={X} free-after-weights={X} free-after-startup={X} headroom={X} slack={X} "
-                  rf"graphs=(-|{X})/{X}$")
+                  rf"graphs=(-|{X})/{X} prefill chunk (\d+) \((auto|explicit)\)$")
 
 
 def test_capacity_line_format():
@@ -264,3 +266,78 @@ def test_cli_subprocess(dense_dir):
                         "--memory", "20", "--max-context", "1M"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, r.stderr
     assert "refused" in r.stdout
+
+
+# The prefill chunk the planner picks ("auto"): DENSE (Qwen3-8B geometry), bf16, rk4v4-e8, 128K context.
+# Workspace per token of chunk: hidden 2*4096*2 + layer max(attn, mlp = (3*12288 + 4096)*2) + kv_store
+# 4*8*128*4, plus the SDPA prefill's 32*128*(5*2 + 8) + 3*32*4 (its K/V term is fixed below 128K tokens).
+WS_PER_TOKEN = 2 * 4096 * 2 + (3 * 12288 + 4096) * 2 + 4 * 8 * 128 * 4 + 32 * 128 * (5 * 2 + 8) + 3 * 32 * 4
+
+
+def chunk_plan(mem_gib, **kw):
+    args = dict(kv_dtype="rk4v4-e8", total_bytes=mem_gib * GiB, free_bytes=mem_gib * GiB, max_context=131072)
+    return plan_memory(ModelConfig.from_dict(DENSE), **{**args, **kw})
+
+
+@pytest.mark.parametrize("mem_gib,expected", [(256, 32768), (141, 16384), (40, 8192)])
+def test_auto_prefill_chunk(mem_gib, expected):
+    assert WS_PER_TOKEN == 188_800
+    base = chunk_plan(mem_gib, max_num_batched_tokens=8192)
+    for n in (16384, 32768):  # the workspace grows by exactly the hand-computed bytes per token
+        assert chunk_plan(mem_gib, max_num_batched_tokens=n).workspace_bytes - base.workspace_bytes \
+            == (n - 8192) * WS_PER_TOKEN
+    # the rule by hand: the largest chunk whose extra workspace is at most 2% of the 8K plan's KV pool
+    ok = [n for n in (32768, 16384) if (n - 8192) * WS_PER_TOKEN <= 0.02 * base.kv_bytes]
+    assert (ok[0] if ok else 8192) == expected
+    p = chunk_plan(mem_gib)
+    assert (p.max_num_batched_tokens, p.prefill_chunk_mode) == (expected, "auto")
+    assert p == replace(chunk_plan(mem_gib, max_num_batched_tokens=expected), prefill_chunk_mode="auto")
+    assert p.capacity_line().endswith(f" prefill chunk {expected} (auto)")
+
+
+def test_auto_prefill_chunk_limits():
+    # an explicit chunk wins, whatever the memory
+    p = chunk_plan(256, max_num_batched_tokens=8192)
+    assert (p.max_num_batched_tokens, p.prefill_chunk_mode) == (8192, "explicit")
+    assert p.capacity_line().endswith(" prefill chunk 8192 (explicit)")
+    assert chunk_plan(40, max_num_batched_tokens=32768).max_num_batched_tokens == 32768
+    # never more than the context needs (rounded up to a page; a pool of 256 x 12032 tokens, 2% of it
+    # > 3840 x WS_PER_TOKEN); never below 8192. With 64 sequences that pool is too small for 12032.
+    assert chunk_plan(256, max_context=12000, max_num_seqs=256).max_num_batched_tokens == 12032
+    assert chunk_plan(256, max_context=12000).max_num_batched_tokens == 8192
+    assert chunk_plan(256, max_context=4096).max_num_batched_tokens == 8192
+    # CPU: 8192
+    assert chunk_plan(256, device_type="cpu").max_num_batched_tokens == 8192
+    # a chunk whose workspace pushes the context out is skipped, not refused (32K does not fit here)
+    with pytest.raises(ContextDoesNotFit):
+        chunk_plan(24, max_context=90016, max_num_batched_tokens=32768)
+    assert chunk_plan(24, max_context=90016).max_num_batched_tokens == 8192
+    with pytest.raises(ContextDoesNotFit):  # and when even 8192 does not fit, the refusal stays
+        chunk_plan(16, max_context=90016)
+
+
+def test_cli_shows_prefill_chunk(dense_dir, capsys):
+    assert cli.main(["plan", str(dense_dir), "--kv-dtype", "rk4v4-e8", "--memory", "141", "--max-context", "128K"]) == 0
+    out = capsys.readouterr().out
+    assert "prefill_chunk=auto" in out and out.rstrip().endswith("prefill chunk 16384 (auto)"), out
+    assert cli.main(["plan", str(dense_dir), "--kv-dtype", "rk4v4-e8", "--memory", "141", "--max-context", "128K",
+                     "--prefill-chunk", "32k"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("prefill chunk 32768 (explicit)")
+
+
+def test_engine_takes_the_planned_chunk():
+    import argparse
+
+    from ninfer import LLM
+    from ninfer.config import EngineConfig, add_engine_args, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert EngineConfig().max_num_batched_tokens == "auto"
+    assert engine_config_from_args(p.parse_args([])).max_num_batched_tokens == "auto"
+    assert engine_config_from_args(p.parse_args(["--prefill-chunk", "16k"])).max_num_batched_tokens == 16384
+    for given, want, mode in (("auto", 8192, "auto"), (96, 96, "explicit")):  # CPU: auto is 8192
+        eng = LLM(None, kv_dtype="bf16", device="cpu", max_context=128, max_num_batched_tokens=given).engine
+        assert eng.scheduler.max_num_batched_tokens == eng.plan.max_num_batched_tokens == want
+        assert any(x.endswith(f"prefill chunk {want} ({mode})") for x in eng.startup_lines), eng.startup_lines
+        assert any(f"max_num_batched_tokens={want} " in x for x in eng.startup_lines), eng.startup_lines

@@ -32,6 +32,7 @@ import torch
 
 from ninfer.bench import _timing as T
 from ninfer.config import PAGE_SIZE
+from ninfer.kvcache.workspace import AUTO_PREFILL_CHUNKS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,7 +92,8 @@ def settle(cfg: Any) -> None:
     """Start a small engine and serve once: CUDA kernels, library handles and workspaces load on
     first use, once per process, whatever the plan; measured starts come after this."""
     T.release()
-    small = min(cfg.max_num_batched_tokens + PAGE_SIZE, T.planner_largest_context(cfg))
+    chunk = AUTO_PREFILL_CHUNKS[-1] if cfg.max_num_batched_tokens == "auto" else cfg.max_num_batched_tokens
+    small = min(chunk + PAGE_SIZE, T.planner_largest_context(cfg))
     if small > PAGE_SIZE:
         engine = T.start_engine(cfg.replace(max_context=small))
         _serve_once(engine, cfg.seed)
@@ -120,7 +122,7 @@ def agreement(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
                 "states": engine.pool.state_bytes_allocated,
                 "graphs": plan.graph_bytes_observed if T.cuda_graphs_active(engine) else None}
         after_start = device_snapshot(dev)
-        prompt_n = min(cfg.max_num_batched_tokens, engine.max_context - args.gen_tokens)
+        prompt_n = min(plan.max_num_batched_tokens, engine.max_context - args.gen_tokens)
         req = T.timed_request(engine, "memory", T.random_prompt(engine.model_config.vocab_size, prompt_n,
                                                                 body_seed=cfg.seed, head_seed=0), args.gen_tokens)
         after_run = device_snapshot(dev)

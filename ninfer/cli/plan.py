@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", "--max-num-seqs", dest="max_num_seqs", type=int, default=64,
                    help="most requests running at once (default %(default)s)")
     p.add_argument("--max-num-batched-tokens", "--prefill-chunk", dest="max_num_batched_tokens",
-                   type=parse_token_count, default=8192, help="token budget per step (default %(default)s)")
+                   type=_capacity, default="auto", help="token budget per step, or auto (default)")
     p.add_argument("--no-cuda-graph", "--enforce-eager", dest="enforce_eager", action="store_true",
                    help="plan without decode CUDA graphs")
     p.add_argument("--rope-yarn-factor", dest="rope_yarn_factor", type=float, default=None,

@@ -181,7 +181,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.plan.num_pages, PAGE_SIZE, self.prefix_caching,
                                           num_state_slots=config.max_num_seqs if recurrent else 0)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens)
+                                   max_num_batched_tokens=self.plan.max_num_batched_tokens)
 
         free_after = None
         if self.device.type == "cuda":
@@ -192,7 +192,7 @@ class LLMEngine:
                                          "kernels: " + self.backend.kernel_paths(),
                                          f"engine: device={self.device} backend={self.backend.name} "
                                          f"max_context={self.max_context} max_num_seqs={config.max_num_seqs} "
-                                         f"max_num_batched_tokens={config.max_num_batched_tokens} "
+                                         f"max_num_batched_tokens={self.plan.max_num_batched_tokens} "
                                          f"prefix_reuse={int(self.prefix_caching)} "
                                          f"cuda_graphs={int(self.runner.forward_fn != self.runner.eager_forward)}"
                                          + host]

@@ -5,7 +5,7 @@ out of memory later.
 Public API
 ----------
 * `plan_memory(model, *, kv_dtype, total_bytes, free_bytes, max_context=None, kv_capacity="auto",
-  max_num_seqs=64, max_num_batched_tokens=8192, weights_dtype="auto", device_type="cuda",
+  max_num_seqs=64, max_num_batched_tokens="auto", weights_dtype="auto", device_type="cuda",
   enforce_eager=False, headroom_bytes=None, weights_bytes=None, weights_resident=False,
   cache_spec=None, tensor_parallel_size=1) -> MemoryPlan`
 * `plan_for_engine(model, cfg: EngineConfig, mem: DeviceMemory, device_type, ...) -> MemoryPlan`
@@ -28,7 +28,8 @@ Terms (all bytes; "context pages" = ceil(max_context / PAGE_SIZE)):
   states        max_num_seqs * the spec's recurrent-state bytes per sequence (one slot per running
                 sequence; 0 for models without recurrent layers)
   page_tables   max_num_seqs * context pages * 4 (int32 block table, one row per running sequence)
-  workspace     activations of the largest prefill chunk (see `activation_workspace`)
+  workspace     activations of the largest prefill chunk (see `activation_workspace`); the chunk
+                is max_num_batched_tokens, or the planner's choice for "auto" (see `plan_memory`)
   graphs        decode CUDA-graph pool + its static block table (0 when eager or on CPU; `_graph_pool_bytes`)
   headroom      kept free for the allocator's fragmentation and library handles (1 GiB, or a tenth
                 of a small device)
@@ -51,12 +52,13 @@ from typing import Any
 from ninfer import dtypes
 from ninfer.config import PAGE_SIZE
 from ninfer.kvcache.memory import GiB, MiB, DeviceMemory, device_memory, format_bytes  # noqa: F401
+from ninfer.kvcache.workspace import (AUTO_PREFILL_CHUNKS, CHUNK_KV_SHARE, DECODE_MAX_SPLITS,  # noqa: F401
+                                      GRAPH_BYTES_PER_CAPTURE, _graph_pool_bytes, activation_workspace,
+                                      cuda_graph_batch_sizes)
 from ninfer.layers.tp_geometry import local_config, shard_param_count
 from ninfer.model_config import ModelConfig
 
 DEFAULT_HEADROOM_BYTES = GiB          # the seed engine's automatic headroom
-GRAPH_BYTES_PER_CAPTURE = 4 * MiB     # per captured batch size: graph exec + static I/O buffers
-DECODE_MAX_SPLITS = 64                # split-KV partitions the decode kernel may use per sequence
 BLOCK_TABLE_ENTRY_BYTES = 4           # int32 page ids
 _DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
 _DTYPE_CANON = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -124,60 +126,6 @@ def default_cache_spec(model: ModelConfig, kv_dtype: Any) -> Any:
     return CacheSpec(tuple(att if i in full else rec for i in range(model.num_layers)))
 
 
-def activation_workspace(model: ModelConfig, tokens: int, act_bytes: int, max_num_seqs: int) -> dict[str, int]:
-    """Peak transient memory of one forward step over `tokens` new tokens, by named buffer.
-
-    With T tokens, H hidden, I intermediate, Hq/Hkv heads of size D, a = activation bytes:
-      hidden     2*T*H*a                       residual stream + normed input, live across layers
-      attention  T*((Hq+2Hkv)*D + (Hq+Hkv)*D + Hq*D + H)*a
-                                               qkv projection, q/k after norm+RoPE, attention
-                                               output, o_proj output
-      mlp        T*(3*I + H)*a                 gate_up (2I), act(gate)*up (I), down output
-      gdn        T*((C + Vh + 2Hv)*a + C*(2a+8))  hybrids' GDN layer (C conv channels, Vh value
-                                               dims, Hv value heads): in_proj output, conv input,
-                                               fp32 accumulator, one gathered tap
-      kv_store   4*T*Hkv*D*4                   fp32 K and V staged for quantization, plus their
-                                               rotated copies
-      decode     S*Hq*DECODE_MAX_SPLITS*(D+1)*4 split-KV partial outputs + log-sum-exp, S = seqs
-      logits     6*S*V*4                       fp32 logits of the sampled rows and the sampler's
-                                               copies: penalised logits, probabilities, sorted
-                                               values, int64 sort indices (2 units), cumsum
-    Attention and MLP stages of a layer never overlap, so the peak takes the larger of the two;
-    the others are added. Prefill attention itself is tiled (flash-style) and needs no T x ctx
-    buffer on the GPU path; the CPU reference path is not what this arithmetic measures.
-    """
-    T, H, I, D = tokens, model.hidden_size, model.intermediate_size, model.head_dim
-    hq, hkv, S = model.num_heads, model.num_kv_heads, max_num_seqs
-    attn = T * ((hq + 2 * hkv) * D + (hq + hkv) * D + hq * D + H) * act_bytes
-    mlp = T * (3 * I + H) * act_bytes
-    gdn, shapes = 0, model.recurrent_state_shapes()
-    if shapes:  # hybrids' GDN layers: merged in_proj output, then the conv's input + fp32 sum + one tap
-        conv, (hv, _, dv) = shapes["conv"][1], shapes["ssm"]
-        gdn = T * (conv + hv * dv + 2 * hv) * act_bytes + T * conv * (2 * act_bytes + 8)
-    return {
-        "hidden": 2 * T * H * act_bytes,
-        "layer": max(attn, mlp, gdn),
-        "kv_store": 4 * T * hkv * D * 4,
-        "decode": S * hq * DECODE_MAX_SPLITS * (D + 1) * 4,
-        "logits": 6 * S * model.vocab_size * 4,
-    }
-
-
-def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """Decode batch sizes captured as CUDA graphs: 1, 2, 4, 8, then every 16, and max_num_seqs."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
-    return sorted(set(sizes + [max_num_seqs]))
-
-
-def _graph_pool_bytes(model: ModelConfig, act_bytes: int, max_num_seqs: int) -> int:
-    """Decode graphs share one private pool sized by the largest batch: its activations (the
-    workspace formula with T = S, without logits, which are computed outside the graph) plus a fixed
-    allowance per captured size. The graphs' static block table is added per context page."""
-    w = activation_workspace(model, max_num_seqs, act_bytes, max_num_seqs)
-    pool = w["hidden"] + w["layer"] + w["kv_store"] + w["decode"]
-    return pool + len(cuda_graph_batch_sizes(max_num_seqs)) * GRAPH_BYTES_PER_CAPTURE
-
-
 @dataclass(frozen=True)
 class MemoryPlan:
     kv_dtype: str
@@ -209,6 +157,7 @@ class MemoryPlan:
     state_bytes: int = 0          # recurrent states: max_num_seqs slots
     state_bytes_per_seq: int = 0
     tensor_parallel_size: int = 1  # >1: every byte term above is one rank's
+    prefill_chunk_mode: str = "explicit"  # max_num_batched_tokens given, or "auto" (the planner's choice)
 
     @property
     def runtime_bytes(self) -> int:
@@ -243,7 +192,8 @@ class MemoryPlan:
                 f"free-after-weights={format_bytes(self.free_after_weights)} "
                 f"free-after-startup={format_bytes(self.free_after_startup)} "
                 f"headroom={format_bytes(self.headroom_bytes)} slack={format_bytes(self.slack_bytes)} "
-                f"graphs={observed}/{format_bytes(self.graph_bytes)}"
+                f"graphs={observed}/{format_bytes(self.graph_bytes)} "
+                f"prefill chunk {self.max_num_batched_tokens} ({self.prefill_chunk_mode})"
                 + (f" states={format_bytes(self.state_bytes)} ({self.state_bytes_per_seq} B/seq x "
                    f"{self.max_num_seqs} slots)" if self.state_bytes else "") + self._group())
 
@@ -288,12 +238,37 @@ def default_headroom(total_bytes: int) -> int:
     return min(DEFAULT_HEADROOM_BYTES, total_bytes // 10)
 
 
-def plan_memory(model: ModelConfig, *, kv_dtype: str, total_bytes: int, free_bytes: int,
-                max_context: int | None = None, kv_capacity: int | str = "auto", max_num_seqs: int = 64,
-                max_num_batched_tokens: int = 8192, weights_dtype: str = "auto", device_type: str = "cuda",
-                enforce_eager: bool = False, headroom_bytes: int | None = None,
-                weights_bytes: int | None = None, weights_resident: bool = False,
-                cache_spec: Any = None, tensor_parallel_size: int = 1) -> MemoryPlan:
+def plan_memory(model: ModelConfig, *, max_num_batched_tokens: int | str = "auto", device_type: str = "cuda",
+                **kw: Any) -> MemoryPlan:
+    """`_plan_memory` (its keywords) with the prefill chunk resolved: a number is taken as given;
+    "auto" is the largest of AUTO_PREFILL_CHUNKS (each capped at max_context, rounded up to a page)
+    whose workspace over the smallest one's costs at most CHUNK_KV_SHARE of the KV pool the smallest
+    one leaves, and that fits; the smallest on CPU or when no larger one qualifies."""
+    if str(max_num_batched_tokens).strip().lower() != "auto":
+        return _plan_memory(model, max_num_batched_tokens=int(max_num_batched_tokens), device_type=device_type, **kw)
+    base = replace(_plan_memory(model, max_num_batched_tokens=AUTO_PREFILL_CHUNKS[-1], device_type=device_type,
+                                **kw), prefill_chunk_mode="auto")
+    if device_type != "cuda":
+        return base
+    need = math.ceil(base.max_context / PAGE_SIZE) * PAGE_SIZE  # a longer chunk than the context buys nothing
+    for chunk in sorted({min(c, need) for c in AUTO_PREFILL_CHUNKS}, reverse=True):
+        if chunk <= base.max_num_batched_tokens:
+            break
+        try:
+            plan = _plan_memory(model, max_num_batched_tokens=chunk, device_type=device_type, **kw)
+        except ContextDoesNotFit:
+            continue
+        if plan.workspace_bytes - base.workspace_bytes <= CHUNK_KV_SHARE * base.kv_bytes:
+            return replace(plan, prefill_chunk_mode="auto")
+    return base
+
+
+def _plan_memory(model: ModelConfig, *, kv_dtype: str, total_bytes: int, free_bytes: int,
+                 max_context: int | None = None, kv_capacity: int | str = "auto", max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 8192, weights_dtype: str = "auto", device_type: str = "cuda",
+                 enforce_eager: bool = False, headroom_bytes: int | None = None,
+                 weights_bytes: int | None = None, weights_resident: bool = False,
+                 cache_spec: Any = None, tensor_parallel_size: int = 1) -> MemoryPlan:
     """Resolve the KV pool for one kv-dtype (for one rank of `tensor_parallel_size`; `weights_bytes`
     and `cache_spec`, when given, are that rank's). `free_bytes` is measured before the weights are loaded,
     unless `weights_resident` (then it is the free memory with the weights already in place).
