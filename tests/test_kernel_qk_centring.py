@@ -47,7 +47,7 @@ LAYER_CASES = [("layer-dense-float32", "layer", "float32", dict(arch="dense"), 7
 CASES += LAYER_CASES
 
 
-def _inputs(dt, p, seed):
+def _inputs(dt, p, seed, dev="cpu"):
     """q, k as the layer's strided views, cos/sin of large positions, norm weights, and a
     KeyTransform with distinct statistics per (kv head, channel)."""
     import torch
@@ -73,10 +73,12 @@ def _inputs(dt, p, seed):
         w = [(off + 0.3 * torch.randn(d, generator=gen)).to(dt) for _ in range(2)]
     shift = (torch.randn(hkv, d, generator=gen) * 1.5).to(dt)
     scale = (2.0 ** (torch.rand(hkv, d, generator=gen) * 4 - 2)).to(dt)
-    return q, k, cos, sin, w, KeyTransform(shift, scale, hq)
+    to = lambda x: x.to(dev)  # noqa: E731
+    return (to(q), to(k), to(cos), to(sin), w and [to(x) for x in w],
+            KeyTransform(to(shift), to(scale), hq))
 
 
-def _run_centre(name, dt, p, seed):
+def _run_centre(name, dt, p, seed, dev="cpu"):
     import torch
 
     from ninfer.kernels.qk_norm_rope import qk_norm_rope
@@ -84,11 +86,13 @@ def _run_centre(name, dt, p, seed):
     from ninfer.layers.rotary import apply_rotary
     from tests.test_kernel_fused_ops import _compare, _guards_ok, _poisoned
 
-    q, k, cos, sin, w, tf = _inputs(dt, p, seed)
+    q, k, cos, sin, w, tf = _inputs(dt, p, seed, dev)
     wq, wk = w if w else (None, None)
     off = p["norm"] == 2
-    bq, q_out = _poisoned(q.shape, q.dtype)
-    bk, k_out = _poisoned(k.shape, k.dtype)
+    (bq, q_out), (bk, k_out) = (_poisoned(x.shape, x.dtype) for x in (q, k))
+    if dev != "cpu":
+        bq, q_out, bk, k_out = (x.to(dev) for x in (bq, q_out, bk, k_out))
+        q_out, k_out = bq[1:-1], bk[1:-1]
     gq, gk = qk_norm_rope(q, k, cos, sin, wq, wk, 1e-6, offset_norm=off, q_out=q_out, k_out=k_out,
                           **tf.fused_args())
     plain = qk_norm_rope(q, k, cos, sin, wq, wk, 1e-6, offset_norm=off)
@@ -105,14 +109,14 @@ def _run_centre(name, dt, p, seed):
     return res
 
 
-def _run_offset(name, dt, p, seed):
+def _run_offset(name, dt, p, seed, dev="cpu"):
     from ninfer.kernels.qk_norm_rope import qk_norm_rope
     from ninfer.layers.norm import OffsetRMSNorm
     from ninfer.layers.rotary import apply_rotary
     from tests.test_kernel_fused_ops import _compare
 
-    q, k, cos, sin, (wq, wk), _ = _inputs(dt, p, seed)
-    qn, kn = OffsetRMSNorm(p["d"], 1e-6), OffsetRMSNorm(p["d"], 1e-6)
+    q, k, cos, sin, (wq, wk), _ = _inputs(dt, p, seed, dev)
+    qn, kn = OffsetRMSNorm(p["d"], 1e-6).to(dev), OffsetRMSNorm(p["d"], 1e-6).to(dev)
     qn.weight.data, kn.weight.data = wq.clone(), wk.clone()
     gq, gk = qk_norm_rope(q, k, cos, sin, wq, wk, 1e-6, offset_norm=True)
     return {"name": name, **_compare(gq, apply_rotary(qn(q), cos, sin), "q"),
@@ -226,6 +230,20 @@ def test_layers_fuse_the_transform(results, case):
     tol = 1e-6 if case[2] == "float32" else 2 ** -7  # the norm's last-bit freedom (1 ulp at the scale)
     for e in ("q_err", "k_err", "out_err"):
         assert r[e] <= tol, r
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", CENTRE_CASES + OFFSET_CASES, ids=[c[0] for c in CENTRE_CASES + OFFSET_CASES])
+def test_on_cuda(case):
+    """The same checks compiled for the GPU (libdevice rsqrt, CUDA's mean: the offset norm's bound)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    name, kind, dt, p, seed = case
+    with torch.no_grad():
+        r = (_run_centre if kind == "centre" else _run_offset)(name, getattr(torch, dt), p, seed, "cuda")
+    (test_fused_centring_equals_unfused if kind == "centre" else test_offset_norm_matches_torch)({name: r}, case)
 
 
 def test_centring_arguments_checked():
