@@ -207,3 +207,37 @@ def test_all_reports_missing_models_and_writes_its_table(tmp_path, capsys):
     table = (out / "peer.md").read_text()
     assert "qwen3-8b: skipped: no checkpoint / GGUF under" in table and table in capsys.readouterr().out
     assert (out / "models.json").is_file()
+
+
+def test_default_text_leaves_out_the_calibration_passage(tmp_path):
+    from ninfer.bench import kv_sim
+    from ninfer.kvcache import centering
+    text = peer.default_text(tmp_path / "t.txt").read_text(encoding="utf-8")
+    docs = kv_sim.documents()
+    assert centering.PASSAGE.read_text(encoding="utf-8") not in text
+    assert all(body in text for name, body in docs.items() if name != centering.PASSAGE.stem)
+
+
+def test_ninfer_kl_centred_names_use_the_engine_calibration(tiny_checkpoint):
+    """`rk4v4-e8+c` scores with the keys centred by statistics of the calibration passage: it equals
+    the KL computed by hand with kv_sim.key_stats, and differs from the uncentred codec."""
+    import torch
+
+    from ninfer.bench import kv_sim
+    from ninfer.kvcache import centering
+    path = tiny_checkpoint(arch="qwen3", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64, vocab=384)
+    ids = torch.randint(0, 300, (96,), generator=torch.Generator().manual_seed(5)).tolist()
+    res = R.ninfer_kl(str(path), ids, ["rk4v4-e8", "rk4v4-e8+c"], ctx=32, device="cpu", log=lambda *_: None)["results"]
+    m, tok = kv_sim.load(str(path))
+    cal = kv_sim.token_ids(tok, {"c": centering.PASSAGE.read_text(encoding="utf-8")}, centering.TOKENS)["c"]
+    stats = kv_sim.key_stats(m, cal, centering.ALPHA)
+    batch = torch.tensor(R.chunks(ids, 32, None))
+
+    def lp(name, keys=None):
+        with kv_sim.quantized_kv(m, kv_sim.format_codec(name), keys=keys), torch.no_grad():
+            return torch.cat([torch.log_softmax(m(input_ids=r[None], use_cache=False).logits[0, 16:31].double(), -1)
+                              for r in batch])
+    ref = lp("bf16")  # the reference: bf16 KV
+    want = float(kv_sim.kl(ref, lp("rk4v4-e8", stats)).mean())
+    assert res["rk4v4-e8+c"]["mean_kl"] == pytest.approx(want, rel=1e-6)
+    assert res["rk4v4-e8+c"]["mean_kl"] != pytest.approx(res["rk4v4-e8"]["mean_kl"], rel=1e-3)

@@ -133,9 +133,10 @@ def speed_args(q: argparse.ArgumentParser) -> None:
 
 
 def kl_args(q: argparse.ArgumentParser) -> None:
-    q.add_argument("--text", type=Path, default=None, help="UTF-8 text (default: the shipped passages, joined)")
+    q.add_argument("--text", type=Path, default=None, help="UTF-8 text (default: the shipped passages but the "
+                   "key-centring calibration one, joined)")
     q.add_argument("--ctx", type=int, default=512, help="chunk length, llama-perplexity -c (default %(default)s)")
-    q.add_argument("--kl-kv-dtype", default="int8,rk4v4,rk4v4-e8", help="ninfer formats scored (default %(default)s)")
+    q.add_argument("--kl-kv-dtype", default="int8,rk4v4,rk4v4-e8,int8+c,rk4v4+c,rk4v4-e8+c", help="ninfer formats scored (default %(default)s)")
     q.add_argument("--reference", default="bf16", help="ninfer reference KV format (default %(default)s)")
     q.add_argument("--kl-device", default="auto", help="where ninfer's float32 model runs for KL")
 
@@ -144,7 +145,10 @@ def kl_args(q: argparse.ArgumentParser) -> None:
 def default_text(out: Path) -> Path:
     from ninfer.bench import kv_sim
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n\n".join(kv_sim.documents().values()), encoding="utf-8")
+    from ninfer.kvcache import centering
+    docs = kv_sim.documents()
+    docs.pop(centering.PASSAGE.stem, None)  # key centring calibrates on it: never scored
+    out.write_text("\n\n".join(docs.values()), encoding="utf-8")
     return out
 
 
