@@ -4,15 +4,16 @@
 
 Three paths, by the number of rows M:
 * M <= qgemv.GEMV_M (decode): the weight-only GEMV of qgemv.py (no tl.dot; W read once for all rows).
-* up to 64 rows (decode batches): weight-only on the MMA (``impl="weight_only"``). Bound by the weight bytes, so the fp8 weight is converted
-  to the activation dtype in registers (exact: e4m3 has 4 significant bits) and multiplied on the
-  16-bit MMA; the block scale is applied per 128-column K block in fp32. K is split over programs
-  so a decode-sized grid still keeps every SM reading; partials are summed in a fixed order.
+* M <= 64 (decode batches): weight-only on the MMA (``impl="weight_only"``). Bound by the weight
+  bytes, so the fp8 weight is converted to the activation dtype in registers (exact: e4m3 has 4
+  significant bits) and multiplied on the 16-bit MMA; the block scale is applied per 128-column K
+  block in fp32. K is split over programs so a decode-sized grid still keeps every SM reading;
+  partials are summed in a fixed order.
 * M > 64 (prefill): W8A8. x is quantized per token per 128-column group to e4m3 (scale = amax/448,
   a small kernel), then an FP8 tensor-core GEMM multiplies both scales into the fp32 accumulator
   per K block. On sm90 torch's ``scaled_mm`` with BlockWise1x128 x BlockWise128x128 scales (cuBLAS)
   does the same GEMM; ``prefill_impl`` times both once per device and keeps the faster.
-GPUs without FP8 tensor cores (before sm89) run the weight-only kernel at every M.
+GPUs without FP8 tensor cores (before sm89) run the weight-only kernels at every M.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ block, so the scale multiplies the step's fp32 row sums, not every element. NVFP
 are [groups of 16 codes, 8 bytes]; low nibbles multiply x's even columns, high nibbles the odd
 ones, the e4m3 scale multiplies each group's sum, the global scale the accumulator once.
 
-The tile config (BLOCK_N, BLOCK_K, warps, programs per SM) comes from a small table, timed once per
+The tile config (BLOCK_N, BLOCK_K, warps, programs per SM, stages) comes from a small table, timed once per
 (device, row bucket, N, K) on first use and kept for the process (outside a CUDA-graph capture;
 during one the table's first fitting config is taken and kept)."""
 from __future__ import annotations
@@ -30,58 +30,67 @@ from ninfer.kernels.qgemm_common import epilogue, sm_count, split_buffers
 log = logging.getLogger(__name__)
 GEMV_M = 8  # default dispatch: up to this many rows run the GEMV kernels (above it the tl.dot kernels)
 MAX_M = 32  # the most rows a GEMV launch takes (the bench times it beside the tl.dot kernels up to here)
-MAX_PER_THREAD = 128  # product elements per thread and K step (BLOCK_M*BLOCK_N*BLOCK_K / threads): registers
+MAX_PER_THREAD = 256  # products per thread and K step (BLOCK_M*BLOCK_N*BLOCK_K / threads): registers
 
-# (BLOCK_N, BLOCK_K, num_warps, programs per SM); BLOCK_K counts codes (NVFP4: 2 per byte)
-FP8_CONFIGS = ((64, 128, 4, 4), (32, 128, 4, 4), (128, 128, 8, 2), (32, 128, 8, 8), (16, 128, 4, 8),
-               (8, 128, 4, 8), (8, 64, 4, 8))
-NVFP4_CONFIGS = ((32, 256, 4, 4), (64, 256, 8, 4), (16, 256, 4, 8), (32, 128, 4, 8), (8, 256, 4, 8),
-                 (8, 128, 4, 8), (8, 64, 4, 8))
+# (BLOCK_N, BLOCK_K, num_warps, programs per SM, stages); BLOCK_K counts codes (NVFP4: 2 per byte).
+# stages 1: plain loads, latency hidden by resident programs; > 1: the loop's loads run that many
+# steps ahead through shared memory (cp.async). The first fitting entry is the default.
+FP8_CONFIGS = ((64, 128, 4, 4, 1), (64, 128, 4, 4, 3), (32, 128, 4, 8, 1), (32, 128, 4, 8, 3), (128, 128, 8, 2, 3),
+               (16, 128, 4, 8, 3), (8, 128, 4, 8, 1), (8, 64, 4, 8, 3))
+NVFP4_CONFIGS = ((32, 256, 4, 4, 1), (32, 256, 4, 4, 3), (64, 256, 8, 4, 3), (16, 256, 4, 8, 1), (16, 256, 4, 8, 3),
+                 (32, 128, 4, 8, 3), (8, 256, 4, 8, 3), (8, 128, 4, 8, 1), (8, 64, 4, 8, 3))
 _CHOSEN: dict[tuple, tuple] = {}
 
 
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, sxm, w_ptr, ws_ptr, swsn, bias_ptr, o_ptr, p_ptr, cnt_ptr, M, N, K, K_PER_SPLIT,
                      HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-    """Rows rn of x @ dequant(w)^T over this split's K range; BLOCK_K divides 128 and the range starts
-    at a multiple of it, so each step has one block scale per row."""
+                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """Rows rn of x @ dequant(w)^T over this split's K range. Tiles are [x rows, K chunks, W rows,
+    16 codes]: a thread's 16 codes are one 16-byte load and their products are summed in the thread;
+    the per-chunk partials are summed across threads once, after the loop. BLOCK_K divides 128 and
+    the range starts at a multiple of it, so a step has one block scale per W row."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
+    KT: tl.constexpr = BLOCK_K // 16
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
+    rc = tl.arange(0, KT)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [KT, 16] column within the step
     mm = rm < M
     mn = rn < N
-    x_rows = x_ptr + rm.to(tl.int64)[:, None] * sxm
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    # x is loaded as [rows, KT, 16] and broadcast over W rows (a 4-D load would set the layout of the product)
+    x_rows = x_ptr + rm.to(tl.int64)[:, None, None] * sxm
+    w_rows = w_ptr + rn.to(tl.int64)[None, None, :, None] * K
     s_rows = ws_ptr + (rn // 128) * swsn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, KT, BLOCK_N), dtype=tl.float32)
     k0 = pid_s * K_PER_SPLIT
     k1 = tl.minimum(k0 + K_PER_SPLIT, K)
-    for kk in range(k0, k1, BLOCK_K):
-        k = kk + rk
-        mk = k < K
-        w = tl.load(w_rows + k[None, :], mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)
+    for kk in tl.range(k0, k1, BLOCK_K, num_stages=STAGES):
+        k = kk + rc
+        kw = k[None, :, None, :]
+        w = tl.load(w_rows + kw, mask=mn[None, None, :, None] & (kw < K), other=0.0).to(tl.float32)
+        x = tl.load(x_rows + k[None], mask=mm[:, None, None] & (k < K)[None], other=0.0).to(tl.float32)
         s = tl.load(s_rows + kk // 128, mask=mn, other=0.0)
-        x = tl.load(x_rows + k[None, :], mask=mm[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2) * s[None, :]
-    epilogue(acc, o_ptr, p_ptr, cnt_ptr, bias_ptr, rm, rn, M, N, pid_n, pid_s, tl.num_programs(1), HAS_BIAS, DIRECT)
+        acc += tl.sum(x[:, :, None, :] * w, axis=3) * s[None, None, :]
+    epilogue(tl.sum(acc, axis=1), o_ptr, p_ptr, cnt_ptr, bias_ptr, rm, rn, M, N, pid_n, pid_s, tl.num_programs(1),
+             HAS_BIAS, DIRECT)
 
 
 @triton.jit
-def _e2m1_fp16(code):
-    """4-bit codes (uint16) -> fp32 value / 2^14 (e2m1 s.ee.m placed as fp16 s.000ee.m000000000; the
-    2^14 of the exponent biases is folded into the group scale)."""
-    return (((code & 8) << 12) | ((code & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
+def _e2m1_fp16(byte, SHIFT: tl.constexpr):
+    """The e2m1 code in bits SHIFT..SHIFT+3 of ``byte`` (int32) -> fp32 value / 2^14: s.ee.m placed as the
+    fp16 s.000ee.m000000000 (the 2^14 of the exponent biases is folded into the group scale)."""
+    bits = ((byte << (12 - SHIFT)) & 0x8000) | ((byte << (9 - SHIFT)) & 0x0E00)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
 def _nvfp4_gemv_kernel(x_ptr, sxm, w_ptr, swn, s_ptr, ssn, gs_ptr, bias_ptr, o_ptr, p_ptr, cnt_ptr, M, N, K,
                        K_PER_SPLIT, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Rows rn of x @ dequant(w)^T over this split's K range (codes); a step is BLOCK_K / 16 scale
-    groups of 8 packed bytes per row."""
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """Rows rn of x @ dequant(w)^T over this split's K range (codes). Tiles are [x rows, scale groups,
+    W rows, 8 bytes]: a thread's 8 bytes are one load and one scale group (16 codes); low nibbles
+    multiply x's even columns, high nibbles the odd ones, summed in the thread, times the group scale."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     NG: tl.constexpr = BLOCK_K // 16
@@ -92,26 +101,24 @@ def _nvfp4_gemv_kernel(x_ptr, sxm, w_ptr, swn, s_ptr, ssn, gs_ptr, bias_ptr, o_p
     mm = rm < M
     mn = rn < N
     x_rows = x_ptr + rm.to(tl.int64)[:, None, None] * sxm
-    w_rows = w_ptr + rn.to(tl.int64)[:, None, None] * swn
-    s_rows = s_ptr + rn.to(tl.int64)[:, None] * ssn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_rows = w_ptr + rn.to(tl.int64)[None, None, :, None] * swn
+    s_rows = s_ptr + rn.to(tl.int64)[None, :] * ssn
+    acc = tl.zeros((BLOCK_M, NG, BLOCK_N), dtype=tl.float32)
     k0 = pid_s * K_PER_SPLIT
     k1 = tl.minimum(k0 + K_PER_SPLIT, K)
-    for kk in range(k0, k1, BLOCK_K):
+    for kk in tl.range(k0, k1, BLOCK_K, num_stages=STAGES):
         b = kk // 2 + rb
-        mb = b < K // 2
-        byte = tl.load(w_rows + b[None], mask=mn[:, None, None] & mb[None], other=0).to(tl.uint16)
-        g = kk // 16 + rg
-        sc = tl.load(s_rows + g[None, :], mask=mn[:, None] & (g * 16 < K)[None, :], other=0.0).to(tl.float32)
-        mx = mm[:, None, None] & mb[None]
+        bw = b[None, :, None, :]
+        byte = tl.load(w_rows + bw, mask=mn[None, None, :, None] & (bw < K // 2), other=0).to(tl.int32)
+        g = (kk // 16 + rg)[:, None]
+        sc = tl.load(s_rows + g, mask=mn[None, :] & (g * 16 < K), other=0.0).to(tl.float32)  # [NG, BLOCK_N]
+        mx = mm[:, None, None] & (b < K // 2)[None]
         xe = tl.load(x_rows + 2 * b[None], mask=mx, other=0.0).to(tl.float32)  # [BLOCK_M, NG, 8]
         xo = tl.load(x_rows + 2 * b[None] + 1, mask=mx, other=0.0).to(tl.float32)
-        lo = _e2m1_fp16(byte & 0xF)
-        hi = _e2m1_fp16(byte >> 4)
-        t = tl.sum(xe[:, None] * lo[None] + xo[:, None] * hi[None], axis=3)  # [BLOCK_M, BLOCK_N, NG]
-        acc += tl.sum(t * sc[None], axis=2)
-    acc = acc * (16384.0 / tl.load(gs_ptr))
-    epilogue(acc, o_ptr, p_ptr, cnt_ptr, bias_ptr, rm, rn, M, N, pid_n, pid_s, tl.num_programs(1), HAS_BIAS, DIRECT)
+        t = xe[:, :, None, :] * _e2m1_fp16(byte, 0) + xo[:, :, None, :] * _e2m1_fp16(byte, 4)
+        acc += tl.sum(t, axis=3) * sc[None]
+    out = tl.sum(acc, axis=1) * (16384.0 / tl.load(gs_ptr))
+    epilogue(out, o_ptr, p_ptr, cnt_ptr, bias_ptr, rm, rn, M, N, pid_n, pid_s, tl.num_programs(1), HAS_BIAS, DIRECT)
 
 
 def row_bucket(m: int) -> int:
@@ -130,7 +137,7 @@ def candidates(kind: str, bm: int) -> list[tuple]:
 def plan(cfg: tuple, device: torch.device, n: int, k: int) -> tuple[int, int]:
     """(splits, K per split) of a config: enough programs for ``per_sm`` per SM, at least 2 K steps
     per split (the partials stay a small fraction of the weight bytes), splits on K-step bounds."""
-    bn, bk, _, per_sm = cfg
+    bn, bk, _, per_sm, _ = cfg
     steps = triton.cdiv(k, bk)
     tiles = triton.cdiv(n, bn)
     split = max(1, min(triton.cdiv(per_sm * sm_count(device), tiles), steps // 2 if steps >= 4 else 1))
@@ -141,12 +148,12 @@ def plan(cfg: tuple, device: torch.device, n: int, k: int) -> tuple[int, int]:
 def _launch(kind: str, cfg: tuple, x2, wargs: tuple, bias, out_dtype):
     m, k = x2.shape
     n = wargs[0].shape[0]
-    bn, bk, warps, _ = cfg
+    bn, bk, warps, _, stages = cfg
     split, kper = plan(cfg, x2.device, n, k)
     tiles = triton.cdiv(n, bn)
     out, partial, cnt = split_buffers(m, n, split, tiles, out_dtype, x2.device)
     common = dict(HAS_BIAS=bias is not None, DIRECT=split == 1, BLOCK_M=row_bucket(m), BLOCK_N=bn, BLOCK_K=bk,
-                  num_warps=warps, num_stages=3)
+                  STAGES=stages, num_warps=warps, num_stages=stages)
     b = bias if bias is not None else out
     if kind == "fp8":
         w, s = wargs
