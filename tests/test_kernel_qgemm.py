@@ -278,6 +278,48 @@ def test_bench_gemm_needs_cuda(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("kind,bm,idx", (("fp8", 1, 0), ("fp8", 8, 1), ("nvfp4", 1, 0), ("nvfp4", 8, 1)))
+def test_gemv_sm90_code(kind, bm, idx):
+    """The GEMV compiled for sm90 here (no GPU needed): nothing as large as its weight tile is converted
+    between layouts (a conversion goes through shared memory; only x, the scales and the per-row result
+    may be, a small fraction of the tile at these configs); the weight comes by 16-byte
+    (FP8) / 8-byte (NVFP4) loads, or cp.async copies of that size when pipelined."""
+    import math
+    import re
+
+    import triton
+    from ninfer.kernels import qgemv
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("the kernels are interpreted in this process")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as e:
+        pytest.skip(f"this Triton has no sm90 compiler API: {e}")
+    bn, bk, warps, _, stages = cfg = qgemv.candidates(kind, bm)[idx]
+    if kind == "fp8":
+        fn, sig = qgemv._fp8_gemv_kernel, "*bf16 i32 *fp8e4nv *fp32 i32 *bf16 *bf16 *fp32 *i32 i32 i32 i32 i32"
+    else:
+        fn, sig = qgemv._nvfp4_gemv_kernel, "*bf16 i32 *u8 i32 *fp8e4nv i32 *fp32 *bf16 *bf16 *fp32 *i32 i32 i32 i32 i32"
+    consts = dict(HAS_BIAS=True, DIRECT=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages)
+    types = dict(zip(fn.arg_names, sig.split()), **{c: "constexpr" for c in consts})
+    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+               if types[a].startswith("*") or a in ("sxm", "K", "K_PER_SPLIT", "swn", "ssn")}
+    try:
+        k = triton.compile(ASTSource(fn=fn, signature=types, constexprs=consts, attrs=aligned),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    except (RuntimeError, FileNotFoundError, OSError) as e:  # no ptxas here
+        pytest.skip(f"no sm90 compiler: {type(e).__name__}: {str(e)[:200]}")
+    converted = re.findall(r"ttg\.convert_layout %\S+ : tensor<([0-9x]+)x[a-zA-Z]", k.asm["ttgir"])
+    tile = bn * bk // (1 if kind == "fp8" else 2)  # the weight tile's elements (NVFP4: bytes)
+    assert converted and all(math.prod(int(d) for d in c.split("x")) < tile for c in converted), (cfg, converted)
+    if stages > 1:
+        vec = r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], " + ("0x10" if kind == "fp8" else "0x8")
+    else:
+        vec = r"ld\.global\.v4\.b32" if kind == "fp8" else r"ld\.global\.v2\.b32"
+    assert re.search(vec, k.asm["ptx"]), (cfg, vec)
+
+
 # -- GPU, at Qwen3-8B's shapes (K, N): qkv, down ---------------------------------------------------
 GPU_SHAPES = ((4096, 6144), (12288, 4096))
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
