@@ -16,7 +16,11 @@ whose quantization must equal torch's own e4m3 cast bit for bit, and within 6% (
 the unquantized product. NVFP4 weights come from compressed-tensors' own compressor (NVFP4A16
 scheme), and its decompressor and unpacker must agree with our reference dequantization.
 Small-M cases with 2 and 4 K splits check the in-kernel split reduction, and every case that the
-split-K ticket counters are left zeroed. On a GPU (``cuda``): every path at Qwen3-8B shapes
+split-K ticket counters are left zeroed. The GEMV (qgemv.py, the default up to qgemv.GEMV_M rows) runs
+M = 1..9 with ragged N and K, several tile configs, bias on and off, bf16 and fp16 x, against float64,
+against the tl.dot path, and with a scale one block / group off in K read by the kernel (must fail the
+bound); its sm90 compile is checked on CPU for what keeps it at copy bandwidth (no layout conversion of
+the weight tile, vector loads). On a GPU (``cuda``): every path at Qwen3-8B shapes
 (M 1 / 16 / 64 / 4096) under the same bound (W8A8: 2^-10 accumulation term, the FP8 MMA's
 narrower accumulator within a K block), and 200 repeated split-K calls bit-identical.
 """
