@@ -9,8 +9,8 @@ operand layout forces the weight through shared memory. W is read once per progr
 K is split over programs so a grid keeps every SM reading; the splits are summed in a fixed order
 by qgemm_common.epilogue (deterministic).
 
-FP8: ``w = e4m3 * weight_scale_inv[n // 128, k // 128]``; a K step (<= 128) lies in one scale
-block, so the scale multiplies the step's fp32 row sums, not every element. NVFP4: the packed bytes
+FP8: ``w = e4m3 * weight_scale_inv[n // 128, k // 128]``; a thread's 16 codes lie in one scale
+block, so the scale multiplies their fp32 sum, not every element. NVFP4: the packed bytes
 are [groups of 16 codes, 8 bytes]; low nibbles multiply x's even columns, high nibbles the odd
 ones, the e4m3 scale multiplies each group's sum, the global scale the accumulator once.
 
@@ -30,15 +30,15 @@ from ninfer.kernels.qgemm_common import epilogue, sm_count, split_buffers
 log = logging.getLogger(__name__)
 GEMV_M = 8  # default dispatch: up to this many rows run the GEMV kernels (above it the tl.dot kernels)
 MAX_M = 32  # the most rows a GEMV launch takes (the bench times it beside the tl.dot kernels up to here)
-MAX_PER_THREAD = 256  # products per thread and K step (BLOCK_M*BLOCK_N*BLOCK_K / threads): registers
+MAX_PER_THREAD = 512  # products per thread and K step (BLOCK_M*BLOCK_N*BLOCK_K / threads): no spills on sm90
 
 # (BLOCK_N, BLOCK_K, num_warps, programs per SM, stages); BLOCK_K counts codes (NVFP4: 2 per byte).
 # stages 1: plain loads, latency hidden by resident programs; > 1: the loop's loads run that many
 # steps ahead through shared memory (cp.async). The first fitting entry is the default.
-FP8_CONFIGS = ((64, 128, 4, 4, 1), (64, 128, 4, 4, 3), (32, 128, 4, 8, 1), (32, 128, 4, 8, 3), (128, 128, 8, 2, 3),
-               (16, 128, 4, 8, 3), (8, 128, 4, 8, 1), (8, 64, 4, 8, 3))
+FP8_CONFIGS = ((64, 128, 4, 4, 1), (64, 128, 4, 4, 3), (32, 256, 4, 8, 1), (32, 128, 4, 8, 3), (128, 128, 8, 2, 3),
+               (16, 512, 4, 8, 1), (16, 128, 4, 8, 3), (8, 512, 4, 8, 1), (8, 128, 4, 8, 1), (8, 64, 4, 8, 3))
 NVFP4_CONFIGS = ((32, 256, 4, 4, 1), (32, 256, 4, 4, 3), (64, 256, 8, 4, 3), (16, 256, 4, 8, 1), (16, 256, 4, 8, 3),
-                 (32, 128, 4, 8, 3), (8, 256, 4, 8, 3), (8, 128, 4, 8, 1), (8, 64, 4, 8, 3))
+                 (32, 128, 4, 8, 3), (8, 1024, 4, 8, 1), (8, 256, 4, 8, 3), (8, 128, 4, 8, 1), (8, 64, 4, 8, 3))
 _CHOSEN: dict[tuple, tuple] = {}
 
 
@@ -48,8 +48,8 @@ def _fp8_gemv_kernel(x_ptr, sxm, w_ptr, ws_ptr, swsn, bias_ptr, o_ptr, p_ptr, cn
                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """Rows rn of x @ dequant(w)^T over this split's K range. Tiles are [x rows, K chunks, W rows,
     16 codes]: a thread's 16 codes are one 16-byte load and their products are summed in the thread;
-    the per-chunk partials are summed across threads once, after the loop. BLOCK_K divides 128 and
-    the range starts at a multiple of it, so a step has one block scale per W row."""
+    the block scale (a chunk lies in one 128-column block) multiplies each chunk's sum, and the chunk
+    partials are summed across threads once, after the loop."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     KT: tl.constexpr = BLOCK_K // 16
@@ -61,7 +61,8 @@ def _fp8_gemv_kernel(x_ptr, sxm, w_ptr, ws_ptr, swsn, bias_ptr, o_ptr, p_ptr, cn
     # x is loaded as [rows, KT, 16] and broadcast over W rows (a 4-D load would set the layout of the product)
     x_rows = x_ptr + rm.to(tl.int64)[:, None, None] * sxm
     w_rows = w_ptr + rn.to(tl.int64)[None, None, :, None] * K
-    s_rows = ws_ptr + (rn // 128) * swsn
+    s_rows = ws_ptr + ((rn // 128) * swsn)[None, :]
+    rs = tl.arange(0, KT)[:, None] * 16  # [KT, 1] first column of a chunk
     acc = tl.zeros((BLOCK_M, KT, BLOCK_N), dtype=tl.float32)
     k0 = pid_s * K_PER_SPLIT
     k1 = tl.minimum(k0 + K_PER_SPLIT, K)
@@ -70,18 +71,21 @@ def _fp8_gemv_kernel(x_ptr, sxm, w_ptr, ws_ptr, swsn, bias_ptr, o_ptr, p_ptr, cn
         kw = k[None, :, None, :]
         w = tl.load(w_rows + kw, mask=mn[None, None, :, None] & (kw < K), other=0.0).to(tl.float32)
         x = tl.load(x_rows + k[None], mask=mm[:, None, None] & (k < K)[None], other=0.0).to(tl.float32)
-        s = tl.load(s_rows + kk // 128, mask=mn, other=0.0)
-        acc += tl.sum(x[:, :, None, :] * w, axis=3) * s[None, None, :]
+        s = tl.load(s_rows + (kk + rs) // 128, mask=mn[None, :] & (kk + rs < K), other=0.0)  # [KT, BLOCK_N]
+        acc += tl.sum(x[:, :, None, :] * w, axis=3) * s[None]
     epilogue(tl.sum(acc, axis=1), o_ptr, p_ptr, cnt_ptr, bias_ptr, rm, rn, M, N, pid_n, pid_s, tl.num_programs(1),
              HAS_BIAS, DIRECT)
 
 
 @triton.jit
-def _e2m1_fp16(byte, SHIFT: tl.constexpr):
-    """The e2m1 code in bits SHIFT..SHIFT+3 of ``byte`` (int32) -> fp32 value / 2^14: s.ee.m placed as the
-    fp16 s.000ee.m000000000 (the 2^14 of the exponent biases is folded into the group scale)."""
-    bits = ((byte << (12 - SHIFT)) & 0x8000) | ((byte << (9 - SHIFT)) & 0x0E00)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+def _e2m1_pair(byte):
+    """A byte of two e2m1 codes (uint32) -> their fp32 values / 2^14 (low nibble, high nibble). Both
+    nibbles are placed in one word's 16-bit halves, and each s.ee.m becomes the fp16 s.000ee.m000000000
+    there (two codes per integer op; the 2^14 of the exponent biases is folded into the group scale)."""
+    q = (byte | (byte << 12)) & 0x000F000F
+    v = ((q << 12) & 0x80008000) | ((q << 9) & 0x0E000E00)
+    lo = (v & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, (v >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -109,14 +113,15 @@ def _nvfp4_gemv_kernel(x_ptr, sxm, w_ptr, swn, s_ptr, ssn, gs_ptr, bias_ptr, o_p
     for kk in tl.range(k0, k1, BLOCK_K, num_stages=STAGES):
         b = kk // 2 + rb
         bw = b[None, :, None, :]
-        byte = tl.load(w_rows + bw, mask=mn[None, None, :, None] & (bw < K // 2), other=0).to(tl.int32)
+        byte = tl.load(w_rows + bw, mask=mn[None, None, :, None] & (bw < K // 2), other=0).to(tl.uint32)
         g = (kk // 16 + rg)[:, None]
         sc = tl.load(s_rows + g, mask=mn[None, :] & (g * 16 < K), other=0.0).to(tl.float32)  # [NG, BLOCK_N]
         mx = mm[:, None, None] & (b < K // 2)[None]
         xe = tl.load(x_rows + 2 * b[None], mask=mx, other=0.0).to(tl.float32)  # [BLOCK_M, NG, 8]
         xo = tl.load(x_rows + 2 * b[None] + 1, mask=mx, other=0.0).to(tl.float32)
-        t = xe[:, :, None, :] * _e2m1_fp16(byte, 0) + xo[:, :, None, :] * _e2m1_fp16(byte, 4)
-        acc += tl.sum(t, axis=3) * sc[None]
+        lo, hi = _e2m1_pair(byte)
+        # two sums, each a chain of FMAs (one sum of xe * lo + xo * hi adds its products separately)
+        acc += (tl.sum(xe[:, :, None, :] * lo, axis=3) + tl.sum(xo[:, :, None, :] * hi, axis=3)) * sc[None]
     out = tl.sum(acc, axis=1) * (16384.0 / tl.load(gs_ptr))
     epilogue(out, o_ptr, p_ptr, cnt_ptr, bias_ptr, rm, rn, M, N, pid_n, pid_s, tl.num_programs(1), HAS_BIAS, DIRECT)
 
@@ -210,8 +215,6 @@ def chosen(kind: str, device: torch.device, m: int, n: int, k: int) -> tuple | N
 def fp8_gemv(x2, weight, wsi, bias, out_dtype, cfg: tuple | None = None):
     """x2 [M, K] @ dequant(weight [N, K] e4m3, wsi [N/128, K/128])^T (+ bias), checked inputs."""
     cfg = cfg or config("fp8", x2, (weight, wsi), bias, out_dtype)
-    if 128 % cfg[1]:
-        raise ValueError(f"qgemv: an FP8 K step must divide the 128-column scale block, got {cfg[1]}")
     return _launch("fp8", cfg, x2, (weight, wsi), bias, out_dtype)
 
 
