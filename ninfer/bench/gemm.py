@@ -98,8 +98,9 @@ def bench_row(impl: str, shape: str, m: int, l2: int, rep_ms: int, copy_bw: floa
     except Exception as e:  # e.g. cuBLAS without blockwise fp8: reported, the other rows still run
         return {**row, "error": _why(e)}
     row["correct"] = row["rel_err"] < TOL.get(impl, 1e-2 if impl.startswith("nvfp4") else 6e-2)
-    if impl.endswith("gemv"):
-        row["config"] = list(qgemv.chosen(impl.split("-")[0], dev, m, n, k))  # qgemv.FP8_CONFIGS says what
+    cfg = qgemv.chosen(impl.split("-")[0], dev, m, n, k) if impl.endswith("gemv") else None
+    if cfg:
+        row["config"] = list(cfg)  # (BLOCK_N, BLOCK_K, warps, programs per SM, stages)
     if not row["correct"]:
         return row
     row["weight_bytes"] = nbytes
