@@ -324,6 +324,19 @@ def test_gemv_sm90_code(kind, bm, idx):
     assert re.search(vec, k.asm["ptx"]), (cfg, vec)
 
 
+def test_bench_gemm_crossover():
+    """The bench's summary names, per format and shape, the M at which each weight-only path won;
+    rows without a time (errors, untimed) are left out."""
+    from ninfer.bench.gemm import crossover
+    t = {("fp8-gemv", 1): 10.0, ("fp8-weight-only", 1): 20.0, ("fp8-gemv", 16): 30.0, ("fp8-weight-only", 16): 20.0,
+         ("nvfp4-gemv", 4): 5.0, ("nvfp4-dot", 4): 9.0}
+    rows = [{"impl": i, "shape": "qkv", "m": m, "us": us} for (i, m), us in t.items()]
+    rows += [{"impl": "fp8-gemv", "shape": "qkv", "m": 64, "error": "the GEMV takes M <= 32"},
+             {"impl": "fp8-weight-only", "shape": "qkv", "m": 64, "us": 40.0}]
+    assert crossover(rows) == ["# fp8 qkv: GEMV faster at M = [1], tl.dot at M = [16]",
+                               "# nvfp4 qkv: GEMV faster at M = [4], tl.dot at M = []"]
+
+
 # -- GPU, at Qwen3-8B's shapes (K, N): qkv, down ---------------------------------------------------
 GPU_SHAPES = ((4096, 6144), (12288, 4096))
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
