@@ -304,7 +304,8 @@ def test_gemv_sm90_code(kind, bm, idx):
     if kind == "fp8":
         fn, sig = qgemv._fp8_gemv_kernel, "*bf16 i32 *fp8e4nv *fp32 i32 *bf16 *bf16 *fp32 *i32 i32 i32 i32 i32"
     else:
-        fn, sig = qgemv._nvfp4_gemv_kernel, "*bf16 i32 *u8 i32 *fp8e4nv i32 *fp32 *bf16 *bf16 *fp32 *i32 i32 i32 i32 i32"
+        fn = qgemv._nvfp4_gemv_kernel
+        sig = "*bf16 i32 *u8 i32 *fp8e4nv i32 *fp32 *bf16 *bf16 *fp32 *i32 i32 i32 i32 i32"
     consts = dict(HAS_BIAS=True, DIRECT=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages)
     types = dict(zip(fn.arg_names, sig.split()), **{c: "constexpr" for c in consts})
     aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)

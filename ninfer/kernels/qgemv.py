@@ -2,10 +2,11 @@
 
 A decode GEMM reads every weight byte once and does little arithmetic per byte, so it should run at
 the copy bandwidth. Here each program owns BLOCK_N rows of W (contiguous along K) and a K range:
-it loads W as [BLOCK_N, BLOCK_K] tiles with K fastest (16-byte vector loads), dequantizes them in
-registers, multiplies them by all M rows of x (broadcast along N) and reduces over K with tl.sum
-in fp32 -- no tl.dot, whose 16-row minimum tile wastes most of an MMA at M = 1..8 and whose
-operand layout forces the weight through shared memory. W is read once per program for all rows.
+it loads W tiles with K fastest (vector loads: 16 FP8 codes, or 8 NVFP4 bytes = one scale group),
+dequantizes them in registers, multiplies them by all M rows of x (broadcast along N) and reduces
+over K with tl.sum in fp32 -- no tl.dot, whose 16-row minimum tile wastes most of an MMA at
+M = 1..8 and whose operand layout sends the weight through shared memory. W is read once per
+program for all rows.
 K is split over programs so a grid keeps every SM reading; the splits are summed in a fixed order
 by qgemm_common.epilogue (deterministic).
 
