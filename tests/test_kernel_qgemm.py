@@ -16,7 +16,11 @@ whose quantization must equal torch's own e4m3 cast bit for bit, and within 6% (
 the unquantized product. NVFP4 weights come from compressed-tensors' own compressor (NVFP4A16
 scheme), and its decompressor and unpacker must agree with our reference dequantization.
 Small-M cases with 2 and 4 K splits check the in-kernel split reduction, and every case that the
-split-K ticket counters are left zeroed. On a GPU (``cuda``): every path at Qwen3-8B shapes
+split-K ticket counters are left zeroed. The GEMV (qgemv.py, the default up to qgemv.GEMV_M rows) runs
+M = 1..9 with ragged N and K, several tile configs, bias on and off, bf16 and fp16 x, against float64,
+against the tl.dot path, and with a scale one block / group off in K read by the kernel (must fail the
+bound); its sm90 compile is checked on CPU for what keeps it at copy bandwidth (no layout conversion of
+the weight tile, vector loads). On a GPU (``cuda``): every path at Qwen3-8B shapes
 (M 1 / 16 / 64 / 4096) under the same bound (W8A8: 2^-10 accumulation term, the FP8 MMA's
 narrower accumulator within a K block), and 200 repeated split-K calls bit-identical.
 """
@@ -43,14 +47,25 @@ CASES += [("fp8-fp16-m3", "fp8", "float16", 3, 256, 256, None, True, 5),
           ("fp8-m33-n200-k384", "fp8", "bfloat16", 33, 200, 384, None, True, 7),
           ("fp8-weight-only-m100", "fp8", "bfloat16", 100, 200, 384, "weight_only", True, 19),
           ("fp8-w8a8-m3", "fp8", "bfloat16", 3, 256, 256, "triton", False, 8),
-          ("fp8-split4-m2", "fp8", "bfloat16", 2, 64, 1024, None, True, 9)]
+          ("fp8-split4-m2", "fp8", "bfloat16", 2, 64, 1024, None, True, 9),
+          ("fp8-split4-m12", "fp8", "bfloat16", 12, 64, 1024, None, False, 21)]
 for _m, _n, _k, _s in ((1, 256, 512, 10), (3, 200, 96, 11), (16, 256, 384, 12), (64, 128, 256, 13), (70, 64, 128, 14), (40, 64, 512, 20)):
     CASES.append((f"nvfp4-m{_m}-n{_n}-k{_k}", "nvfp4", "bfloat16", _m, _n, _k, None, _s % 2 == 0, _s))
 CASES += [("nvfp4-fp16-m16", "nvfp4", "float16", 16, 128, 256, None, True, 15),
           ("nvfp4-ragged-k-m3", "nvfp4", "bfloat16", 3, 72, 200, "random", False, 16),
           ("nvfp4-ragged-k-m64", "nvfp4", "bfloat16", 64, 72, 200, "random", True, 17),
           ("nvfp4-split4-m5", "nvfp4", "bfloat16", 5, 64, 1024, "random", True, 18)]
-SPLIT_CASES = ("fp8-m1-n256-k512", "fp8-split4-m2", "nvfp4-m1-n256-k512", "nvfp4-split4-m5")
+# GEMV (qgemv.py) against float64 and the tl.dot path: (name, kind, dtype, m, n, k, index into the config
+# table or None = the default dispatch, bias, seed); ragged N and K, every row count 1..9, both 16-bit dtypes
+for _i, (_m, _n, _k, _c, _dt) in enumerate((
+        (1, 200, 384, None, "bfloat16"), (2, 72, 1024, 0, "float16"), (3, 130, 640, 2, "bfloat16"),
+        (4, 64, 200, 3, "float16"), (5, 96, 512, 4, "bfloat16"), (6, 40, 256, 6, "bfloat16"),
+        (7, 136, 384, None, "float16"), (8, 64, 1024, 5, "bfloat16"), (9, 72, 320, None, "bfloat16"))):
+    for _kind in ("fp8", "nvfp4"):
+        CASES.append((f"{_kind}-gemv-m{_m}-n{_n}-k{_k}-c{_c}", f"{_kind}-gemv", _dt, _m, _n, _k, _c, _i % 2 == 1,
+                      30 + 2 * _i + (_kind == "nvfp4")))
+SPLIT_CASES = ("fp8-split4-m12", "fp8-split4-m2", "fp8-gemv-m2-n72-k1024-c0", "nvfp4-m40-n64-k512",
+               "nvfp4-split4-m5", "nvfp4-gemv-m2-n72-k1024-c0")
 
 
 def _ratio(y, ref, x, w, acc=2.0 ** -14):
@@ -84,15 +99,16 @@ def _ct_nvfp4():
 def _fp8_case(name, dtype, m, n, k, impl, bias, gen):
     import triton
     from ninfer.kernels import fp8_gemm as F
+    from ninfer.kernels.qgemv import GEMV_M
     x = torch.randn(m, k, generator=gen).to(dtype)
     w = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
     s = torch.rand(triton.cdiv(n, 128), triton.cdiv(k, 128), generator=gen) * 1e-2 + 1e-3
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
     y = F.fp8_block_linear(x, w, s, b, impl=impl)
     wd = F.dequantize_ref(w, s)
-    used = impl or ("weight_only" if m <= 64 else "triton")
+    used = impl or ("gemv" if m <= GEMV_M else "weight_only" if m <= 64 else "triton")
     res = {"name": name, "shape_ok": list(y.shape) == [m, n] and y.dtype == dtype, "impl": used}
-    if used == "weight_only":
+    if used in ("gemv", "weight_only"):
         ref = F.fp8_block_linear_ref(x, w, s, b)
         res["ratio"] = _ratio(y, ref, x, wd)
         # negative control: the scale of the next K block (a K-block index off by one)
@@ -138,15 +154,66 @@ def _nvfp4_case(name, dtype, m, n, k, kind, bias, gen):
     return res
 
 
+def _gemv_case(name, kind, dtype, m, n, k, cfg_index, bias, gen):
+    """The GEMV against float64 (bound as above), against the tl.dot path (both within their bound
+    of the same reference: within 2 bounds of each other), and with a scale one block off in K read
+    by the kernel itself (must break the bound); NVFP4 also with swapped nibbles."""
+    import triton
+    from ninfer.kernels import fp8_gemm, nvfp4_gemm, qgemv
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    table = qgemv.FP8_CONFIGS if kind == "fp8-gemv" else qgemv.NVFP4_CONFIGS
+    cfg = None if cfg_index is None else table[cfg_index]
+    if kind == "fp8-gemv":
+        w = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        s = torch.rand(triton.cdiv(n, 128), triton.cdiv(k, 128), generator=gen) * 1e-2 + 1e-3
+        wargs, F, gemv, old = (w, s), fp8_gemm, qgemv.fp8_gemv, "weight_only"
+        wrong = [(w, torch.roll(s, 1, dims=1))]
+    else:
+        p = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+        sc = (torch.rand(n, -(-k // 16), generator=gen) * 300 + 1).to(torch.float8_e4m3fn)
+        gs = torch.tensor([700.0])
+        wargs, F, gemv, old = (p, sc, gs), nvfp4_gemm, qgemv.nvfp4_gemv, "dot"
+        wrong = [(p, torch.roll(sc, 1, dims=1), gs), (((p & 0xF) << 4) | (p >> 4), sc, gs)]
+    lin = fp8_gemm.fp8_block_linear if kind == "fp8-gemv" else nvfp4_gemm.nvfp4_linear
+    y = lin(x, *wargs, b) if cfg is None else gemv(x, *wargs, b, dtype, cfg)
+    wd = F.dequantize_ref(*wargs)
+    ref = x.double() @ wd.t() + (b.double() if b is not None else 0)
+    res = {"name": name, "shape_ok": list(y.shape) == [m, n] and y.dtype == dtype, "impl": "gemv",
+           "cfg": list(cfg or qgemv.candidates(kind.split("-")[0], triton.next_power_of_2(m))[0])}
+    res["ratio"] = _ratio(y, ref, x, wd)
+    res["ratio_vs_dot"] = _ratio(y, lin(x, *wargs, b, impl=old).double(), x, wd) / 2
+    res["ratio_wrong"] = min(_ratio(gemv(x, *wa, b, dtype, cfg) if cfg else lin(x, *wa, b), ref, x, wd)
+                             for wa in wrong)
+    return res
+
+
+def _split(res, kind, m, n, k, cfg):
+    """The K splits the small-M path of a case ran with (the same plan the launch computes)."""
+    import triton
+    from ninfer.kernels import qgemv
+    from ninfer.kernels.qgemm_common import row_tile, split_k
+    cpu = torch.device("cpu")
+    if res.get("impl") == "gemv":
+        cfg = tuple(cfg or qgemv.candidates(kind.split("-")[0], triton.next_power_of_2(m))[0])
+        return qgemv.plan(cfg, cpu, n, k)[0]
+    # the tl.dot kernels: 64 columns, K blocks of 128
+    return split_k(cpu, -(-n // 64) * -(-m // row_tile(m)), -(-k // 128))[0]
+
+
 def run_case(name, kind, dtype, m, n, k, impl, bias, seed):
     torch.set_num_threads(1)  # tiny shapes: intra-op threads only spin (tests/conftest.py)
     gen = torch.Generator().manual_seed(seed)
     dt = getattr(torch, dtype)
-    from ninfer.kernels.qgemm_common import _COUNTERS, row_tile, split_k
-    res = (_fp8_case if kind == "fp8" else _nvfp4_case)(name, dt, m, n, k, impl, bias, gen)
-    if m <= 64 and impl != "triton":  # the split the small-M kernels chose (64 columns, K blocks of 128)
-        tiles = -(-n // 64) * -(-m // row_tile(m))
-        res["split"] = split_k(torch.device("cpu"), tiles, -(-k // 128))[0]
+    from ninfer.kernels.qgemm_common import _COUNTERS
+    from ninfer.kernels.qgemv import GEMV_M
+    if kind.endswith("gemv"):
+        res = _gemv_case(name, kind, dt, m, n, k, impl, bias, gen)
+    else:
+        res = (_fp8_case if kind == "fp8" else _nvfp4_case)(name, dt, m, n, k, impl, bias, gen)
+        res.setdefault("impl", "gemv" if m <= GEMV_M else "dot")
+    if m <= 64 and impl != "triton":
+        res["split"] = _split(res, kind, m, n, k, res.get("cfg"))
     res["counters_zero"] = all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())
     return res
 
@@ -166,6 +233,9 @@ def test_qgemm_case(results, case):
         assert r["ratio_wrong_scale"] > 10.0, r
     if "ratio_swapped_nibbles" in r:
         assert r["ratio_swapped_nibbles"] > 10.0, r
+    if "ratio_vs_dot" in r:  # the GEMV: agrees with the tl.dot path; a wrong scale or nibble order breaks it
+        assert r["ratio_vs_dot"] <= 1.0, r
+        assert r["ratio_wrong"] > 10.0, r
     if "quant_exact" in r:
         assert r["quant_exact"], r
         assert r["rel_vs_unquantized"] < 0.06, r
@@ -177,6 +247,7 @@ def test_qgemm_case(results, case):
 def test_bad_inputs_one_line():
     from ninfer.kernels.fp8_gemm import fp8_block_linear
     from ninfer.kernels.nvfp4_gemm import nvfp4_linear
+    from ninfer.kernels.qgemv import row_bucket
     x = torch.zeros(2, 256, dtype=torch.bfloat16)
     w8 = torch.zeros(128, 256, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"weight_scale_inv must be float32 \[1, 2\]"):
@@ -191,6 +262,10 @@ def test_bad_inputs_one_line():
     sc = torch.ones(64, 16).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"weight_scale must be float8_e4m3fn \[64, 16\]"):
         nvfp4_linear(x, p, sc[:, :8], torch.tensor(1.0))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        nvfp4_linear(x, p, sc, torch.tensor(1.0), impl="mma")
+    with pytest.raises(ValueError, match="take 1..32 rows"):  # impl="gemv" at M = 33
+        row_bucket(33)
     with pytest.raises(ValueError, match="float32 scalar"):
         nvfp4_linear(x, p, sc, torch.ones(2))
     with pytest.raises(ValueError, match=r"bias must be \[N=64\]"):
@@ -207,6 +282,62 @@ def test_bench_gemm_needs_cuda(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("kind,bm,idx", (("fp8", 1, 0), ("fp8", 8, 1), ("nvfp4", 1, 0), ("nvfp4", 8, 1)))
+def test_gemv_sm90_code(kind, bm, idx):
+    """The GEMV compiled for sm90 here (no GPU needed): nothing as large as its weight tile is converted
+    between layouts (a conversion goes through shared memory; only x, the scales and the per-row result
+    may be, a small fraction of the tile at these configs); the weight comes by 16-byte
+    (FP8) / 8-byte (NVFP4) loads, or cp.async copies of that size when pipelined."""
+    import math
+    import re
+
+    import triton
+    from ninfer.kernels import qgemv
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("the kernels are interpreted in this process")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as e:
+        pytest.skip(f"this Triton has no sm90 compiler API: {e}")
+    bn, bk, warps, _, stages = cfg = qgemv.candidates(kind, bm)[idx]
+    if kind == "fp8":
+        fn, sig = qgemv._fp8_gemv_kernel, "*bf16 i32 *fp8e4nv *fp32 i32 *bf16 *bf16 *fp32 *i32 i32 i32 i32 i32"
+    else:
+        fn = qgemv._nvfp4_gemv_kernel
+        sig = "*bf16 i32 *u8 i32 *fp8e4nv i32 *fp32 *bf16 *bf16 *fp32 *i32 i32 i32 i32 i32"
+    consts = dict(HAS_BIAS=True, DIRECT=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages)
+    types = dict(zip(fn.arg_names, sig.split()), **{c: "constexpr" for c in consts})
+    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+               if types[a].startswith("*") or a in ("sxm", "K", "K_PER_SPLIT", "swn", "ssn")}
+    try:
+        k = triton.compile(ASTSource(fn=fn, signature=types, constexprs=consts, attrs=aligned),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    except (RuntimeError, FileNotFoundError, OSError) as e:  # no ptxas here
+        pytest.skip(f"no sm90 compiler: {type(e).__name__}: {str(e)[:200]}")
+    converted = re.findall(r"ttg\.convert_layout %\S+ : tensor<([0-9x]+)x[a-zA-Z]", k.asm["ttgir"])
+    tile = bn * bk // (1 if kind == "fp8" else 2)  # the weight tile's elements (NVFP4: bytes)
+    assert converted and all(math.prod(int(d) for d in c.split("x")) < tile for c in converted), (cfg, converted)
+    if stages > 1:
+        vec = r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], " + ("0x10" if kind == "fp8" else "0x8")
+    else:
+        vec = r"ld\.global\.v4\.b32" if kind == "fp8" else r"ld\.global\.v2\.b32"
+    assert re.search(vec, k.asm["ptx"]), (cfg, vec)
+
+
+def test_bench_gemm_crossover():
+    """The bench's summary names, per format and shape, the M at which each weight-only path won;
+    rows without a time (errors, untimed) are left out."""
+    from ninfer.bench.gemm import crossover
+    t = {("fp8-gemv", 1): 10.0, ("fp8-weight-only", 1): 20.0, ("fp8-gemv", 16): 30.0, ("fp8-weight-only", 16): 20.0,
+         ("nvfp4-gemv", 4): 5.0, ("nvfp4-dot", 4): 9.0}
+    rows = [{"impl": i, "shape": "qkv", "m": m, "us": us} for (i, m), us in t.items()]
+    rows += [{"impl": "fp8-gemv", "shape": "qkv", "m": 64, "error": "the GEMV takes M <= 32"},
+             {"impl": "fp8-weight-only", "shape": "qkv", "m": 64, "us": 40.0}]
+    assert crossover(rows) == ["# fp8 qkv: GEMV faster at M = [1], tl.dot at M = [16]",
+                               "# nvfp4 qkv: GEMV faster at M = [4], tl.dot at M = []"]
+
+
 # -- GPU, at Qwen3-8B's shapes (K, N): qkv, down ---------------------------------------------------
 GPU_SHAPES = ((4096, 6144), (12288, 4096))
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -214,7 +345,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("m", (1, 16, 64, 4096))
+@pytest.mark.parametrize("m", (1, 8, 16, 64, 4096))
 @pytest.mark.parametrize("kn", GPU_SHAPES, ids=lambda kn: f"k{kn[0]}-n{kn[1]}")
 def test_fp8_cuda(m, kn):
     """Every FP8 path on the GPU against float64. W8A8 on Hopper: the FP8 MMA accumulates a 128-wide
@@ -229,6 +360,8 @@ def test_fp8_cuda(m, kn):
     wd = F.dequantize_ref(w, s)
     ref = F.fp8_block_linear_ref(x, w, s, b)
     assert _ratio(F.fp8_block_linear(x, w, s, b, impl="weight_only"), ref, x, wd) <= 1.0
+    if m <= 32:  # qgemv.MAX_M
+        assert _ratio(F.fp8_block_linear(x, w, s, b, impl="gemv"), ref, x, wd) <= 1.0
     q, qs = F.quantize_act(x)
     rq, rqs = F.quantize_act_ref(x)
     # On the H200 the codes were not bit-equal to torch's cast (the interpreter's are, see above), so
@@ -253,7 +386,7 @@ def test_fp8_cuda(m, kn):
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("m", (1, 16, 64, 4096))
+@pytest.mark.parametrize("m", (1, 8, 16, 64, 4096))
 @pytest.mark.parametrize("kn", GPU_SHAPES, ids=lambda kn: f"k{kn[0]}-n{kn[1]}")
 def test_nvfp4_cuda(m, kn):
     from ninfer.kernels import nvfp4_gemm as F
@@ -265,7 +398,9 @@ def test_nvfp4_cuda(m, kn):
     gs = torch.tensor([2688.0 / 0.1], device="cuda")
     b = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
     ref = F.nvfp4_linear_ref(x, p, sc, gs, b)
-    assert _ratio(F.nvfp4_linear(x, p, sc, gs, b), ref, x, F.dequantize_ref(p, sc, gs)) <= 1.0
+    wd = F.dequantize_ref(p, sc, gs)
+    for impl in (None, "dot") + (("gemv",) if m <= 32 else ()):  # qgemv.MAX_M
+        assert _ratio(F.nvfp4_linear(x, p, sc, gs, b, impl=impl), ref, x, wd) <= 1.0, impl
 
 
 @pytest.mark.cuda
@@ -276,6 +411,7 @@ def test_split_k_cuda_deterministic():
     missing ordering between the partial stores and the ticket shows as a differing run."""
     from ninfer.kernels.fp8_gemm import fp8_block_linear
     from ninfer.kernels.nvfp4_gemm import nvfp4_linear
+    from ninfer.kernels import qgemv
     from ninfer.kernels.qgemm_common import counters, split_k
     gen = torch.Generator(device="cuda").manual_seed(7)
     k, n = 12288, 4096
@@ -286,11 +422,14 @@ def test_split_k_cuda_deterministic():
     p = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
     sc = (torch.rand((n, k // 16), device="cuda", generator=gen) * 200 + 8).to(torch.float8_e4m3fn)
     gs = torch.tensor([2688.0 / 0.1], device="cuda")
-    for fn in (lambda: fp8_block_linear(x, w, s), lambda: nvfp4_linear(x, p, sc, gs)):
+    for fn in (lambda: fp8_block_linear(x, w, s), lambda: nvfp4_linear(x, p, sc, gs),  # the GEMV (M = 4)
+               lambda: fp8_block_linear(x, w, s, impl="weight_only"), lambda: nvfp4_linear(x, p, sc, gs, impl="dot")):
         first = fn()
         outs = [fn() for _ in range(200)]
         assert all(torch.equal(o, first) for o in outs)
     assert int(counters(x.device).abs().sum()) == 0
+    for kind in ("fp8", "nvfp4"):  # the GEMV configs the timing chose split K here
+        assert qgemv.plan(qgemv.chosen(kind, x.device, 4, n, k), x.device, n, k)[0] > 1, kind
 
 
 if __name__ == "__main__" and "--child" in sys.argv:

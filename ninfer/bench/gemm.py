@@ -1,6 +1,8 @@
 """Quantized-weight GEMMs vs bf16 (GPU): at Qwen3-8B's linear shapes and decode/prefill batch sizes,
-bf16 ``torch.matmul``, every FP8 block-scaled path (weight-only, Triton W8A8, cuBLAS blockwise
-``scaled_mm`` where it runs, and the default the module picks) and NVFP4 weight-only.
+bf16 ``torch.matmul``, every FP8 block-scaled path (the weight-only GEMV and tl.dot kernels, Triton
+W8A8, cuBLAS blockwise ``scaled_mm`` where it runs, and the default the module picks) and NVFP4
+(GEMV, tl.dot, default). GEMV rows also report the tile config its one-time timing chose, and the
+run ends with the faster weight-only path per shape and M (where the GEMV threshold belongs).
 
 Per row: correctness first (relative Frobenius error against an fp32 matmul of the dequantized
 weight; a row over its bound is reported and not timed), then the median time of CUDA-graph
@@ -20,13 +22,16 @@ from ninfer.bench.kernel_timing import copy_bandwidth, replay_sets, time_graph
 
 # Qwen3-8B: hidden 4096, 32 q / 8 kv heads of 128, intermediate 12288 -> (K, N)
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}
-IMPLS = ("bf16", "fp8-weight-only", "fp8-triton", "fp8-scaled-mm", "fp8-auto", "nvfp4")
-TOL = {"bf16": 1e-2, "nvfp4": 1e-2, "fp8-weight-only": 1e-2}  # W8A8 rows: 6e-2 (e4m3 activations)
+IMPLS = ("bf16", "fp8-gemv", "fp8-weight-only", "fp8-triton", "fp8-scaled-mm", "fp8-auto", "nvfp4-gemv", "nvfp4-dot",
+         "nvfp4-auto")
+FORCED = {"fp8-gemv": "gemv", "fp8-weight-only": "weight_only", "fp8-triton": "triton", "fp8-scaled-mm": "scaled_mm",
+          "nvfp4-gemv": "gemv", "nvfp4-dot": "dot"}
+TOL = {"bf16": 1e-2, "fp8-gemv": 1e-2, "fp8-weight-only": 1e-2}  # NVFP4 too; W8A8 rows: 6e-2 (e4m3 activations)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="write the result as JSON to PATH ('-' = stdout)")
-    p.add_argument("--m", default="1,4,16,64,4096", help="comma list of batch rows M")
+    p.add_argument("--m", default="1,2,4,8,16,32,64,4096", help="comma list of batch rows M")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
     p.add_argument("--impls", default=",".join(IMPLS), help="comma list of implementations to time")
     p.add_argument("--rep-ms", type=int, default=100, help="ms of timed replays per measurement")
@@ -65,20 +70,22 @@ def call(impl: str):
     from ninfer.kernels.nvfp4_gemm import nvfp4_linear
     if impl == "bf16":
         return lambda x, w: torch.matmul(x, w.t())
-    if impl == "nvfp4":
-        return nvfp4_linear
-    path = {"fp8-weight-only": "weight_only", "fp8-triton": "triton", "fp8-scaled-mm": "scaled_mm"}.get(impl)
-    return lambda x, w, s: fp8_block_linear(x, w, s, impl=path)
+    if impl.startswith("nvfp4"):
+        return lambda x, p, sc, gs: nvfp4_linear(x, p, sc, gs, impl=FORCED.get(impl))
+    return lambda x, w, s: fp8_block_linear(x, w, s, impl=FORCED.get(impl))
 
 
 def bench_row(impl: str, shape: str, m: int, l2: int, rep_ms: int, copy_bw: float) -> dict:
     import torch
+    from ninfer.kernels import qgemv
     from ninfer.kernels.fp8_gemm import scaled_mm_supported
     k, n = SHAPES[shape]
     dev = torch.device("cuda")
     row = {"impl": impl, "shape": shape, "m": m, "k": k, "n": n}
     if impl == "fp8-scaled-mm" and not scaled_mm_supported(n, k):
         return {**row, "error": "shape not supported by blockwise scaled_mm"}
+    if impl.endswith("gemv") and m > qgemv.MAX_M:
+        return {**row, "error": f"the GEMV takes M <= {qgemv.MAX_M}"}
     gen = torch.Generator(device=dev).manual_seed(1000 * m + n + k)
     x = torch.randn((m, k), device=dev, generator=gen).to(torch.bfloat16)
     first, nbytes = make_weights(impl, n, k, gen, dev)
@@ -90,7 +97,10 @@ def bench_row(impl: str, shape: str, m: int, l2: int, rep_ms: int, copy_bw: floa
         del y, ref
     except Exception as e:  # e.g. cuBLAS without blockwise fp8: reported, the other rows still run
         return {**row, "error": _why(e)}
-    row["correct"] = row["rel_err"] < TOL.get(impl, 6e-2)
+    row["correct"] = row["rel_err"] < TOL.get(impl, 1e-2 if impl.startswith("nvfp4") else 6e-2)
+    cfg = qgemv.chosen(impl.split("-")[0], dev, m, n, k) if impl.endswith("gemv") else None
+    if cfg:
+        row["config"] = list(cfg)  # (BLOCK_N, BLOCK_K, warps, programs per SM, stages)
     if not row["correct"]:
         return row
     row["weight_bytes"] = nbytes
@@ -119,8 +129,24 @@ def table(rows: list[dict]) -> str:
         f = lambda key, spec: format(r[key], spec) if r.get(key) is not None else "-"  # noqa: E731
         lines.append(f"{r['shape']:<8}{r['m']:>6}  {r['impl']:<17}{f('us', '.1f'):>9}{f('tflops', '.1f'):>9}"
                      f"{f('weight_GBps', '.0f'):>8}{f('pct_copy', '.0f'):>7}{f('rel_err', '.1e'):>9}"
-                     + (f"  {r['error']}" if "error" in r else "") + ("  WRONG" if r.get("correct") is False else ""))
+                     + (f"  {r['error']}" if "error" in r else "") + ("  WRONG" if r.get("correct") is False else "")
+                     + (f"  config {r['config']}" if "config" in r else ""))
     return "\n".join(lines)
+
+
+def crossover(rows: list[dict]) -> list[str]:
+    """Per format and shape, the M at which each weight-only path (GEMV, tl.dot) was the faster."""
+    pairs = {"fp8": ("fp8-gemv", "fp8-weight-only"), "nvfp4": ("nvfp4-gemv", "nvfp4-dot")}
+    us = {(r["impl"], r["shape"], r["m"]): r["us"] for r in rows if r.get("us") is not None}
+    lines = []
+    for fmt, (gemv, dot) in pairs.items():
+        for shape in dict.fromkeys(r["shape"] for r in rows):
+            ms = sorted({m for (i, s, m) in us if s == shape and i == gemv and (dot, s, m) in us})
+            if ms:
+                win = {m: "gemv" if us[(gemv, shape, m)] <= us[(dot, shape, m)] else "dot" for m in ms}
+                lines.append(f"# {fmt} {shape}: GEMV faster at M = {[m for m in ms if win[m] == 'gemv']}, "
+                             f"tl.dot at M = {[m for m in ms if win[m] == 'dot']}")
+    return lines
 
 
 def run(args) -> int:
@@ -162,7 +188,9 @@ def run(args) -> int:
                 _write(args.json, result)  # after every row: a cut-short run keeps what it measured
                 print(table([row]).splitlines()[1], flush=True)
     result["wall_s"] = time.time() - t0
+    result["crossover"] = crossover(result["rows"])
     print(table(result["rows"]))
+    print("\n".join(result["crossover"]))
     if args.json == "-":
         print(json.dumps(result, indent=1))
     _write(args.json, result)

@@ -2,16 +2,18 @@
 ``weight[N, K]`` float8_e4m3fn with ``weight_scale_inv[ceil(N/128), ceil(K/128)]`` fp32, dequantized
 ``w[n, k] = weight[n, k] * weight_scale_inv[n // 128, k // 128]``.
 
-Two paths, by the number of rows M:
-* M <= 64 (decode batches): weight-only. Bound by the weight bytes, so the fp8 weight is converted
-  to the activation dtype in registers (exact: e4m3 has 4 significant bits) and multiplied on the
-  16-bit MMA; the block scale is applied per 128-column K block in fp32. K is split over programs
-  so a decode-sized grid still keeps every SM reading; partials are summed in a fixed order.
+Three paths, by the number of rows M:
+* M <= qgemv.GEMV_M (decode): the weight-only GEMV of qgemv.py (no tl.dot; W read once for all rows).
+* M <= 64 (decode batches): weight-only on the MMA (``impl="weight_only"``). Bound by the weight
+  bytes, so the fp8 weight is converted to the activation dtype in registers (exact: e4m3 has 4
+  significant bits) and multiplied on the 16-bit MMA; the block scale is applied per 128-column K
+  block in fp32. K is split over programs so a decode-sized grid still keeps every SM reading;
+  partials are summed in a fixed order.
 * M > 64 (prefill): W8A8. x is quantized per token per 128-column group to e4m3 (scale = amax/448,
   a small kernel), then an FP8 tensor-core GEMM multiplies both scales into the fp32 accumulator
   per K block. On sm90 torch's ``scaled_mm`` with BlockWise1x128 x BlockWise128x128 scales (cuBLAS)
   does the same GEMM; ``prefill_impl`` times both once per device and keeps the faster.
-GPUs without FP8 tensor cores (before sm89) run the weight-only kernel at every M.
+GPUs without FP8 tensor cores (before sm89) run the weight-only kernels at every M.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ninfer.kernels import qgemv
 from ninfer.kernels.qgemm_common import (SMALL_M, check_common, check_device, epilogue, interpreting, row_tile,
                                          sm_count, split_buffers, split_k)
 
@@ -237,7 +240,8 @@ def _weight_only(x2, weight, wsi, bias, out_dtype):
     return out
 
 
-IMPLS = {"weight_only": _weight_only, "triton": _w8a8_triton, "scaled_mm": _w8a8_scaled_mm}
+IMPLS = {"gemv": qgemv.fp8_gemv, "weight_only": _weight_only, "triton": _w8a8_triton,
+         "scaled_mm": _w8a8_scaled_mm}
 
 
 def prefill_impl(device: torch.device, n: int = 4096, k: int = 4096) -> str:
@@ -272,13 +276,16 @@ def prefill_impl(device: torch.device, n: int = 4096, k: int = 4096) -> str:
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                      bias: torch.Tensor | None = None, *, impl: str | None = None) -> torch.Tensor:
     """x [..., K] bf16/fp16 @ dequant(weight)^T (+ bias) -> [..., N] in x's dtype. ``impl`` forces a
-    path ("weight_only", "triton", "scaled_mm"); by default M <= 64 is weight-only, larger M W8A8."""
+    path ("gemv", "weight_only", "triton", "scaled_mm"); by default M <= qgemv.GEMV_M is the GEMV,
+    M <= 64 weight-only (tl.dot), larger M W8A8."""
     if impl is not None and impl not in IMPLS:
         raise ValueError(f"fp8_block_linear: impl must be one of {sorted(IMPLS)}, got {impl!r}")
     x2, weight, wsi = _check(x, weight, weight_scale_inv, bias)
     m, n = x2.shape[0], weight.shape[0]
     if impl is None:
-        if m <= SMALL_M or not _fp8_tensor_cores(x2.device):
+        if m <= qgemv.GEMV_M:
+            impl = "gemv"
+        elif m <= SMALL_M or not _fp8_tensor_cores(x2.device):
             impl = "weight_only"
         else:
             impl = prefill_impl(x2.device)
