@@ -175,14 +175,16 @@ def test_merged_rows_hold_their_parts(ckpt) -> None:
                                                        for p in ("gate_proj", "up_proj")]))
 
 
-def _greedy(path: Path, prompts: list[list[int]], n: int = 8,
-            device: str = "cpu") -> tuple[list[list[int]], list[torch.Tensor]]:
-    llm = LLM(str(path), kv_dtype="auto", device=device, dtype="fp32" if device == "cpu" else "bf16",
+def _greedy(path: Path, prompts: list[list[int]], n: int = 8, device: str = "cpu",
+            kv_dtype: str = "auto") -> tuple[list[list[int]], list[torch.Tensor]]:
+    llm = LLM(str(path), kv_dtype=kv_dtype, device=device, dtype="fp32" if device == "cpu" else "bf16",
               max_context=256, kv_capacity=1024)
     rows: dict[str, list[torch.Tensor]] = {}
     llm.engine.logits_hook = lambda reqs, logits: [rows.setdefault(r.request_id, []).append(x.clone())
                                                    for r, x in zip(reqs, logits)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    if kv_dtype != "auto":
+        assert "kv centring: on" in "\n".join(llm.engine.startup_lines)
     return [o.token_ids for o in outs], [torch.stack(rows[o.request_id]) for o in outs]
 
 
@@ -203,3 +205,17 @@ def test_greedy_equals_dequantized_checkpoint(ckpt, tmp_path: Path, quant: str, 
     if geom == "hybrid":  # the GDN in-projection: qkv|z packed, the small b|a rows dense
         m = load_model(path, dtype="fp32", progress=False).model.layers[0].linear_attn.in_proj
         assert isinstance(m, QuantLinear) and m.dense_weight is not None and m.dense_weight.shape[0] == 2 * 4
+
+
+@pytest.mark.parametrize("quant", ["fp8", "nvfp4"])
+def test_quantized_weights_with_centred_quantized_kv(ckpt, tmp_path: Path, quant: str) -> None:
+    """Key centring (on by default for quantized KV) installs on a model whose projections are
+    QuantLinear, and the tokens equal the dequantized checkpoint's with the same KV format."""
+    path = ckpt(quant, 5, "dense")
+    ref = dense_copy(path, tmp_path / "dense")
+    prompts = [list(range(3, 40)), list(range(60, 71))]
+    tokens, logits = _greedy(path, prompts, kv_dtype="rk4v4-e8")
+    ref_tokens, ref_logits = _greedy(ref, prompts, kv_dtype="rk4v4-e8")
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)

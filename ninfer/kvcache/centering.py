@@ -71,12 +71,14 @@ def attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def install(model: torch.nn.Module, stats: dict[int, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
     """Give every attention layer its KeyTransform from stats (kv_layer -> (m, s)); None removes them."""
+    # the activation dtype: the embedding's (a quantized checkpoint's projections hold codes and scales)
+    act = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
     for mod in attention_layers(model):
         if stats is None:
             mod.key_transform = None
             continue
         m, s = stats[mod.kv_layer]
-        dev, dt = mod.qkv_proj.weight.device, mod.qkv_proj.weight.dtype
+        dev, dt = act.weight.device, act.weight.dtype
         mod.key_transform = KeyTransform(m.to(dev, dt), s.to(dev, dt), mod.num_heads)
 
 
