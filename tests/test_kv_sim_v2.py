@@ -64,15 +64,15 @@ def test_log2_scales_brute_force(bits: int) -> None:
             assert abs(float(got[i, h]) - want) <= 1e-12 * want
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_log2s32_is_nearest_e8_under_its_scales(seed: int) -> None:
+@pytest.mark.parametrize("seed,bits,a", [(0, 6, 1.0), (1, 7, 1.0), (2, 5, V.A)])
+def test_log2s32_is_nearest_e8_under_its_scales(seed: int, bits: int, a: float) -> None:
     x = _data(seed)
-    out = V.log2s32(x, 6)
+    out = V.log2s32(x, bits, a)
     xr, orr = (e8.to_blocks(rotate(t).double()).reshape(16, 2, 2, 32) for t in (x, out))
-    s = V.log2_scales(xr.abs().amax(-1), 6)[..., None]
+    s = V.log2_scales(xr.abs().amax(-1), bits)[..., None]
     z, p = (e8.from_blocks((t / s).reshape(16, 2, 8, 8)) for t in (xr, orr))
     assert float(z.abs().max()) <= 8 + 1e-9
-    _check_e8(z, p)
+    _check_e8(8 * V.expand(z / 8, a), 8 * V.expand(p / 8, a))
 
 
 def test_expand_inverts_the_compander() -> None:
@@ -161,24 +161,54 @@ def test_window_attention_against_a_query_loop() -> None:
 def model(tiny_checkpoint):
     path = tiny_checkpoint(arch="qwen3", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64, vocab=384)
     m, tok = kv_sim.load(str(path))
-    return m, tok
+    return m, tok, path
 
 
 def test_window_hook_keeps_recent_keys(model):
     """Within one 64-token block every key is in the window: K-only KL is 0 up to rounding; longer,
     the window lowers rk4v4-e8's K-only KL; kivi-nw quantizes every key."""
-    m, tok = model
+    m, tok, _ = model
     doc = {"a": kv_sim.documents()["river"]}
     short, long = kv_sim.token_ids(tok, doc, 60), kv_sim.token_ids(tok, doc, 160)
     kl = lambda name, ids: kv_sim.doc_kl(  # noqa: E731
         m, ids, {k: kv_sim.log_probs(m, x) for k, x in ids.items()}, kv_sim.format_codec(name), planes="k")["a"]
     assert kl("v2:e8-w64", short) < 1e-9 < kl("v2:kivi-nw", short)
+    assert kl("v2:kivi128", short) < 1e-9 < kl("v2:kivi128-nw", short)
     assert 0 < kl("v2:e8-w64", long) < kl("rk4v4-e8", long)
     assert kl("v2:kivi", long) > 0
 
 
 def test_codec_names_and_bits():
     assert kv_sim.codec_names("rk4v4-e8+c, v2:log2s32-5+c,v2:kivi") == ["rk4v4-e8+c", "v2:log2s32-5+c", "v2:kivi"]
-    with pytest.raises(ValueError, match="v2 codecs: "):
-        kv_sim.codec_names("v2:nope")
+    for bad in ("v2:nope", "v2:kivi-p2"):
+        with pytest.raises(ValueError, match="v2 codecs: "):
+            kv_sim.codec_names(bad)
     assert V.bits("v2:log2s32-5+c") == (64 * 4 + 8 + 2 * 5) / 64 and V.bits("rk4v4-e8") == 4.25
+
+
+def test_permuted_puts_the_channels_back():
+    w = torch.arange(1.0, 129.0)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(2))
+    got = V.permuted(lambda y: y * w, 2)(x)  # channel c of the codec's input is channel perm[c]
+    assert torch.allclose(got, x * w.reshape(2, 64)[:, torch.argsort(perm)].reshape(128))
+    e8p = V.codec("v2:e8-p1")
+    assert V.snr_db(x, e8p(x)) > 18 and not torch.equal(e8p(x), V.codec("v2:e8")(x))
+    assert torch.equal(V.codec("v2:e8")(x), kv_sim.format_codec("rk4v4-e8")(x))
+    assert torch.equal(V.codec("v2:e8-refit")(x), kv_sim.e8_refit(x))
+    assert V.codec("v2:kivi-p1") is None and V.bits("v2:compand-p3+c") == 4.25
+
+
+def test_bench_kl_text_cli_v2_names(model, tmp_path, capsys):
+    import json
+
+    from ninfer.cli import main
+    out = tmp_path / "kl.json"
+    with pytest.raises(SystemExit, match="ninfer bench kl: unknown codec 'v2:kivi128-p1'"):
+        main(["bench", "kl", str(model[2]), "--text", "--kv-dtype", "v2:kivi128-p1"])
+    assert main(["bench", "kl", str(model[2]), "--text", "--kv-dtype", "v2:compand-log2s32-5,v2:e8-w16",
+                 "--tokens", "40", "--json", str(out)]) == 0
+    assert "| v2:e8-w16 | KV |" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["kv_dtype"], r["bits"]) for r in rows] == [("v2:compand-log2s32-5", 4.28125), ("v2:e8-w16", 4.25)]
+    assert all(r["mean_kl"] > 0 for r in rows)

@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from ninfer.bench.kv_sim_v2 import CODECS, bits
+from ninfer.bench.kv_sim_v2 import CODECS, bits, codec as v2_codec
 from ninfer.kvcache import e8
 from ninfer.kvcache.formats import code_units, get_format, group_scales
 from ninfer.kvcache.hadamard import rotate
@@ -51,7 +51,7 @@ def format_codec(name: str) -> Codec:
     if name == "rk4v4-e8:refit":
         return e8_refit
     if name.startswith("v2:"):
-        return CODECS[name]
+        return v2_codec(name)
     f = get_format(name)
     return lambda x: f.decode(*f.encode(x)).float()
 
@@ -164,7 +164,7 @@ def codec_names(spec: str) -> list[str]:
     (keys centred, ``centred``); unknown names raise ValueError."""
     names = [s.strip().lower() for s in spec.split(",") if s.strip()]
     for n in names:
-        if base_name(n) != "rk4v4-e8:refit" and not (n.startswith("v2:") and base_name(n) in CODECS):
+        if base_name(n) != "rk4v4-e8:refit" and not (n.startswith("v2:") and v2_codec(base_name(n)) is not None):
             if n.startswith("v2:"):
                 raise ValueError(f"unknown codec {n!r}; v2 codecs: {', '.join(CODECS)}")
             get_format(base_name(n))
@@ -218,12 +218,12 @@ def text_table(res: dict) -> str:
     n = sum(res["tokens"].values())
     lines = [f"next-token KL vs unquantized KV, {len(res['tokens'])} passages, {n} positions (mean over "
              "passages; min / max passage)",
-             "| kv-dtype | bits/value | quantized | mean KL (nats) | min passage | max passage |",
+             "| kv-dtype | quantized | mean KL (nats) | min passage | max passage | bits/value |",
              "|---|---|---|---|---|---|"]
     for r in res["rows"]:
         b = "" if r.get("bits") is None else f"{r['bits']:.3f}"
-        lines.append(f"| {r['kv_dtype']} | {b} | {r['planes'].upper()} | {r['mean_kl']:.3e} | {r['min_doc']:.3e} | "
-                     f"{r['max_doc']:.3e} |")
+        lines.append(f"| {r['kv_dtype']} | {r['planes'].upper()} | {r['mean_kl']:.3e} | {r['min_doc']:.3e} | "
+                     f"{r['max_doc']:.3e} | {b} |")
     for name, v in res["per_layer"].items():
         lines.append(f"{name} one layer at a time (K and V): " + " ".join(f"L{i} {x:.2e}" for i, x in enumerate(v)))
     return "\n".join(lines)

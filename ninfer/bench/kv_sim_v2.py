@@ -8,16 +8,22 @@ All but ``int4a`` and ``kivi`` use rk4v4-e8's rotation (``hadamard.rotate``, sel
   an 8-bit integer exponent B per 64 and a b-bit offset o per 32 (b = 7 by default), s = 2^(B - o/2^F),
   F = b - 2 (1/2^F-octave steps, 4 octaves below B), rounded up so code units stay in [-8, 8].
 * ``compand``: rk4v4-e8's scale, E8 point of the companded code units u = 8 h^-1(z/8), decoded as
-  8 h(p/8) with the cubic h(t) = t (A + (1 - A) t^2) (finer steps near 0, where rotated data is dense).
+  8 h(p/8) with the cubic h(t) = t (A + (1 - A) t^2) (finer steps near 0, where rotated data is dense);
+  ``compand-log2s32-5`` both changes.
 * ``kivi``: K per channel along blocks of 64 tokens, V per token per 64, 4-bit asymmetric (fp16 min and
   step), no rotation; the current, unfinished key block stays unquantized (``Windowed``); ``kivi-nw``
   without that window (each block's scales then see its later tokens), ``e8-w64``: rk4v4-e8 with it.
+  ``kivi128[-nw]``: K per channel along 128 tokens (4.25 bits) with [without] its 128-token window,
+  V as rk4v4-e8; ``e8-w4`` / ``-w16`` / ``-w128``: rk4v4-e8 with such a window.
 * ``nvfp4``: e2m1 values, an e4m3 scale per 16 (round to nearest), one float32 scale per tensor.
 * ``int4a`` / ``int4a-r``: 4-bit asymmetric per 64 (fp16 min and step), plain / rotated.
+* ``e8`` (rk4v4-e8), ``e8-refit`` (its candidate encoder), and any ``NAME-pN``: NAME on the channels of
+  each 64-group permuted with seed N (``permuted``): equally good codecs whose KL spread is the noise.
 """
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
@@ -25,7 +31,9 @@ from ninfer.kvcache import e8
 from ninfer.kvcache.formats import code_units, group_scales
 from ninfer.kvcache.hadamard import rotate
 
-A = 0.75  # compander slope at 0 (docs/KERNELS.md, codec section: the sweep on N(0,1))
+# Compander slope at 0: SNR of companded(x, a) on x = torch.randn(8192, 64) (seed 0, ``snr_db``):
+# a = 0.5 21.10, 0.6 21.44, 0.7 21.60, 0.75 21.61, 0.8 21.56, 0.9 21.31, 1 (= rk4v4-e8) 20.92 dB.
+A = 0.75
 TOKEN_BLOCK = 64  # kivi: tokens per key scale
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 
@@ -53,13 +61,15 @@ def log2_scales(amax: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(top > 0, torch.exp2(base - o / frac), 0.0)
 
 
-def log2s32(x: torch.Tensor, bits: int = 7) -> torch.Tensor:
+def log2s32(x: torch.Tensor, bits: int = 7, a: float = 1.0) -> torch.Tensor:
+    """Per-32 log2 scales, E8 codes (of the companded units where a < 1, as ``companded``)."""
     xr = rotate(x.float()).double()
     blk = e8.to_blocks(xr)  # [..., G, 8 (w), 8 (j)]
     halves = blk.reshape(*blk.shape[:-2], 2, 32)
     s = log2_scales(halves.abs().amax(-1), bits)[..., None]
     z = torch.where(s > 0, halves / torch.where(s > 0, s, 1.0), 0.0).reshape(blk.shape)
-    p = e8.to_blocks(e8_points(e8.from_blocks(z))).double().reshape(halves.shape)
+    p = e8_points((8.0 * expand(e8.from_blocks(z) / 8.0, a)).float())
+    p = e8.to_blocks(8.0 * compand(p.double() / 8.0, a)).reshape(halves.shape)
     return rotate(e8.from_blocks((p * s).reshape(blk.shape)).float())
 
 
@@ -149,9 +159,9 @@ class Windowed:
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
-def kivi_keys(k: torch.Tensor) -> torch.Tensor:
-    """K [B, H, T, D] per channel along blocks of TOKEN_BLOCK tokens (the last block may be short)."""
-    return asym4(k, dim=-2, group=TOKEN_BLOCK)
+def kivi_keys(k: torch.Tensor, block: int = TOKEN_BLOCK) -> torch.Tensor:
+    """K [B, H, T, D] per channel along blocks of ``block`` tokens (the last block may be short)."""
+    return asym4(k, dim=-2, group=block)
 
 
 def _rk4v4_e8(x: torch.Tensor) -> torch.Tensor:
@@ -160,26 +170,57 @@ def _rk4v4_e8(x: torch.Tensor) -> torch.Tensor:
     return f.decode(*f.encode(x)).float()
 
 
+def permuted(codec, seed: int):
+    """``codec`` on the channels of every 64-group in a fixed random order (then put back): an equally
+    good codec with other rounding decisions, whose KL spread is the measurement's noise floor."""
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(seed))
+    inv = torch.argsort(perm)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        g = x.reshape(*x.shape[:-1], -1, 64)
+        return codec(g[..., perm].reshape(x.shape)).reshape(g.shape)[..., inv].reshape(x.shape)
+    return run
+
+
 CODECS = {
     "v2:log2s32": lambda x: log2s32(x, 7),
     "v2:log2s32-6": lambda x: log2s32(x, 6),
     "v2:log2s32-5": lambda x: log2s32(x, 5),
     "v2:compand": companded,
+    "v2:compand-log2s32-5": lambda x: log2s32(x, 5, A),
     "v2:kivi": Windowed(asym4, kivi_keys),
     "v2:kivi-nw": Windowed(asym4, kivi_keys, window=0),
     "v2:e8-w64": Windowed(_rk4v4_e8),
+    "v2:kivi128": Windowed(_rk4v4_e8, lambda k: kivi_keys(k, 128), window=128),
+    "v2:kivi128-nw": Windowed(_rk4v4_e8, lambda k: kivi_keys(k, 128), window=0),
+    **{f"v2:e8-w{w}": Windowed(_rk4v4_e8, window=w) for w in (4, 16, 128)},
+    "v2:e8": _rk4v4_e8,
+    "v2:e8-refit": lambda x: __import__("ninfer.bench.kv_sim", fromlist=["e8_refit"]).e8_refit(x),
     "v2:nvfp4": nvfp4,
     "v2:int4a": asym4,
     "v2:int4a-r": lambda x: rotate(asym4(rotate(x.float()))),
 }
 BITS = {"v2:log2s32": 4 + 22 / 64, "v2:log2s32-6": 4 + 20 / 64, "v2:log2s32-5": 4 + 18 / 64,
-        "v2:compand": 4.25, "v2:kivi": 4.5, "v2:kivi-nw": 4.5, "v2:e8-w64": 4.25, "v2:nvfp4": 4.5, "v2:int4a": 4.5, "v2:int4a-r": 4.5,
+        "v2:compand": 4.25, "v2:compand-log2s32-5": 4 + 18 / 64, "v2:kivi": 4.5, "v2:kivi-nw": 4.5, "v2:e8-w64": 4.25, "v2:kivi128": 4.25, "v2:kivi128-nw": 4.25, "v2:e8-w4": 4.25, "v2:e8-w16": 4.25, "v2:e8-w128": 4.25, "v2:e8": 4.25, "v2:e8-refit": 4.25, "v2:nvfp4": 4.5, "v2:int4a": 4.5, "v2:int4a-r": 4.5,
         "rk4v4-e8": 4.25, "rk4v4-e8:refit": 4.25, "rk4v4": 4.25, "int8": 8.25}
+
+
+def _split(name: str) -> tuple[str, int | None]:
+    m = re.fullmatch(r"(.+)-p(\d+)", name)
+    return (m.group(1), int(m.group(2))) if m and m.group(1) in CODECS else (name, None)
+
+
+def codec(name: str):
+    """The codec of a ``v2:*`` name (no ``+c``); ``NAME-pN``: ``permuted`` with seed N. None if unknown."""
+    base, seed = _split(name)
+    if seed is None or base not in CODECS:
+        return CODECS.get(base)
+    return None if isinstance(CODECS[base], Windowed) else permuted(CODECS[base], seed)
 
 
 def bits(name: str) -> float | None:
     """Bits per stored value of a codec name (``+c`` / ``+m`` ignored), None where not counted."""
-    return BITS.get(name[:-2] if name.endswith(("+c", "+m")) else name)
+    return BITS.get(_split(name[:-2] if name.endswith(("+c", "+m")) else name)[0])
 
 
 def snr_db(x: torch.Tensor, xq: torch.Tensor) -> float:
