@@ -200,9 +200,11 @@ CODECS = {
     "v2:int4a": asym4,
     "v2:int4a-r": lambda x: rotate(asym4(rotate(x.float()))),
 }
-BITS = {"v2:log2s32": 4 + 22 / 64, "v2:log2s32-6": 4 + 20 / 64, "v2:log2s32-5": 4 + 18 / 64,
-        "v2:compand": 4.25, "v2:compand-log2s32-5": 4 + 18 / 64, "v2:kivi": 4.5, "v2:kivi-nw": 4.5, "v2:e8-w64": 4.25, "v2:kivi128": 4.25, "v2:kivi128-nw": 4.25, "v2:e8-w4": 4.25, "v2:e8-w16": 4.25, "v2:e8-w128": 4.25, "v2:e8": 4.25, "v2:e8-refit": 4.25, "v2:nvfp4": 4.5, "v2:int4a": 4.5, "v2:int4a-r": 4.5,
-        "rk4v4-e8": 4.25, "rk4v4-e8:refit": 4.25, "rk4v4": 4.25, "int8": 8.25}
+BITS = {  # bits per stored value, scales included; rk4v4-e8 and its variants 4 + 16/64
+    **{n: 4.25 for n in CODECS}, "v2:log2s32": 4 + 22 / 64, "v2:log2s32-6": 4 + 20 / 64,
+    "v2:log2s32-5": 4 + 18 / 64, "v2:compand-log2s32-5": 4 + 18 / 64,
+    **{n: 4.5 for n in ("v2:kivi", "v2:kivi-nw", "v2:nvfp4", "v2:int4a", "v2:int4a-r")},
+    "rk4v4-e8": 4.25, "rk4v4-e8:refit": 4.25, "rk4v4": 4.25, "int8": 8.25}
 
 
 def _split(name: str) -> tuple[str, int | None]:
