@@ -147,7 +147,8 @@ class Windowed:
         return self.codec(x)
 
     def attend(self, module, query, key_q, key_full, value, **kw):
-        """Causal attention [B, Hq, T, D]: key_q for earlier blocks, key_full within the query's block."""
+        """Causal attention [B, Hq, T, D] of one unpadded sequence (what kv_sim runs): key_q for earlier
+        blocks, key_full within the query's block."""
         g = query.shape[1] // key_q.shape[1]
         kq, kf, v = (t.repeat_interleave(g, 1).double() for t in (key_q, key_full, value))
         qd = query.double() * kw.get("scaling", module.scaling)
