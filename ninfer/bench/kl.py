@@ -10,7 +10,8 @@ answer tokens, and greedy top-1 agreement. The same runner backs tests/test_engi
 
 ``--text`` scores every position of the shipped English passages instead (``kv_sim.py``: K/V
 quantized inside transformers, per kv-dtype, K only / V only, per layer; ``rk4v4-e8:refit``
-is the candidate scale-refit encoder beside the shipped one, so both compare in one run). A
+is the candidate scale-refit encoder beside the shipped one, so both compare in one run; ``v2:*``
+are the candidate codecs of ``kv_sim_v2.py``). A
 ``+c`` suffix stores keys centred and smoothed as the engine does (``kvcache/centering.py``,
 calibrated on its passage, which is then not scored), ``+m`` centred only:
 
@@ -77,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="HF model directory (default: the bundled probe model)")
     p.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype", default="int8,rk4v4,rk4v4-e8",
                    help="comma-separated KV formats to compare (default %(default)s; with --text also "
-                        "rk4v4-e8:refit and a +c / +m suffix: keys centred)")
+                        "rk4v4-e8:refit, the v2:* candidates of bench/kv_sim_v2.py and a +c / +m suffix: keys centred)")
     p.add_argument("--reference", default="bf16", help="reference KV format (default %(default)s)")
     p.add_argument("--contexts", default="4K", help="comma-separated context sizes (needle bench documents)")
     p.add_argument("--docs", type=int, default=1, help="documents per context, 5 questions each")

@@ -15,6 +15,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from ninfer.bench.kv_sim_v2 import CODECS, bits, codec as v2_codec
 from ninfer.kvcache import e8
 from ninfer.kvcache.formats import code_units, get_format, group_scales
 from ninfer.kvcache.hadamard import rotate
@@ -43,11 +44,14 @@ def e8_refit(x: torch.Tensor) -> torch.Tensor:
 
 
 def format_codec(name: str) -> Codec:
-    """A servable format's codec (its shipped encoder); ``rk4v4-e8:refit`` is the candidate encoder.
+    """A servable format's codec (its shipped encoder); ``rk4v4-e8:refit`` is the candidate encoder,
+    ``v2:*`` the candidate codecs of ``kv_sim_v2``.
     A ``+c`` / ``+m`` suffix (key centring, ``centred``) leaves the codec as it is."""
     name = base_name(name)
     if name == "rk4v4-e8:refit":
         return e8_refit
+    if name.startswith("v2:"):
+        return v2_codec(name)
     f = get_format(name)
     return lambda x: f.decode(*f.encode(x)).float()
 
@@ -100,12 +104,15 @@ def quantized_kv(model, codec: Codec | None, layers: Sequence[int] | None = None
     def attn(module, query, key, value, attention_mask, **kw):
         if codec is not None and (chosen is None or module.layer_idx in chosen):
             q = lambda t: codec(t.float().reshape(-1, t.shape[-1])).reshape(t.shape).to(t.dtype)  # noqa: E731
+            qk, full = getattr(codec, "keys", q), key  # keys: a codec along tokens, on [B, H, T, D]
             if keys is not None and "k" in planes:
                 m, s = (x.to(key.device, torch.float64)[None, :, None, :] for x in keys[module.layer_idx])
-                key = (q(((key.double() - m) / s).float()).double() * s + m).to(key.dtype)
+                key = (qk(((key.double() - m) / s).float()).double() * s + m).to(key.dtype)
             elif "k" in planes:
-                key = q(key)
+                key = qk(key)
             value = q(value) if "v" in planes else value
+            if "k" in planes and getattr(codec, "window", 0):  # recent keys kept unquantized
+                return codec.attend(module, query, key, full, value, **kw)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
     AttentionInterface.register(_ATTN, attn)
@@ -153,11 +160,13 @@ def doc_kl(model, ids: dict[str, torch.Tensor], refs: dict[str, torch.Tensor], c
 
 
 def codec_names(spec: str) -> list[str]:
-    """Comma-separated servable kv-dtypes and ``rk4v4-e8:refit``, each optionally with ``+c`` or ``+m``
+    """Comma-separated servable kv-dtypes, ``rk4v4-e8:refit`` and ``v2:*``, each optionally with ``+c`` or ``+m``
     (keys centred, ``centred``); unknown names raise ValueError."""
     names = [s.strip().lower() for s in spec.split(",") if s.strip()]
     for n in names:
-        if base_name(n) != "rk4v4-e8:refit":
+        if base_name(n) != "rk4v4-e8:refit" and not (n.startswith("v2:") and v2_codec(base_name(n)) is not None):
+            if n.startswith("v2:"):
+                raise ValueError(f"unknown codec {n!r}; v2 codecs: {', '.join(CODECS)}")
             get_format(base_name(n))
     if not names:
         raise ValueError("give at least one kv-dtype")
@@ -192,8 +201,8 @@ def run_text(args) -> dict:
         for pl in planes:
             per_doc = doc_kl(model, ids, refs, format_codec(name), planes=pl, keys=stats.get(centred(name)))
             v = list(per_doc.values())
-            rows.append({"kv_dtype": name, "planes": pl, "mean_kl": sum(v) / len(v), "min_doc": min(v),
-                         "max_doc": max(v), "docs": per_doc})
+            rows.append({"kv_dtype": name, "planes": pl, "bits": bits(name), "mean_kl": sum(v) / len(v),
+                         "min_doc": min(v), "max_doc": max(v), "docs": per_doc})
     per_layer = {}
     if args.per_layer:
         for name in names:
@@ -209,10 +218,12 @@ def text_table(res: dict) -> str:
     n = sum(res["tokens"].values())
     lines = [f"next-token KL vs unquantized KV, {len(res['tokens'])} passages, {n} positions (mean over "
              "passages; min / max passage)",
-             "| kv-dtype | quantized | mean KL (nats) | min passage | max passage |", "|---|---|---|---|---|"]
+             "| kv-dtype | quantized | mean KL (nats) | min passage | max passage | bits/value |",
+             "|---|---|---|---|---|---|"]
     for r in res["rows"]:
+        b = "" if r.get("bits") is None else f"{r['bits']:.3f}"
         lines.append(f"| {r['kv_dtype']} | {r['planes'].upper()} | {r['mean_kl']:.3e} | {r['min_doc']:.3e} | "
-                     f"{r['max_doc']:.3e} |")
+                     f"{r['max_doc']:.3e} | {b} |")
     for name, v in res["per_layer"].items():
         lines.append(f"{name} one layer at a time (K and V): " + " ".join(f"L{i} {x:.2e}" for i, x in enumerate(v)))
     return "\n".join(lines)
