@@ -16,7 +16,7 @@ whose quantization must equal torch's own e4m3 cast bit for bit, and within 6% (
 the unquantized product. NVFP4 weights come from compressed-tensors' own compressor (NVFP4A16
 scheme), and its decompressor and unpacker must agree with our reference dequantization.
 Small-M cases with 2 and 4 K splits check the in-kernel split reduction, and every case that the
-split-K ticket counters are left zeroed. The GEMV (qgemv.py, the default up to qgemv.GEMV_M rows) runs
+split-K ticket counters are left zeroed. The GEMV (qgemv.py, the default up to qgemv.GEMV_M rows per format) runs
 M = 1..9 with ragged N and K, several tile configs, bias on and off, bf16 and fp16 x, against float64,
 against the tl.dot path, and with a scale one block / group off in K read by the kernel (must fail the
 bound); its sm90 compile is checked on CPU for what keeps it at copy bandwidth (no layout conversion of
@@ -106,7 +106,7 @@ def _fp8_case(name, dtype, m, n, k, impl, bias, gen):
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
     y = F.fp8_block_linear(x, w, s, b, impl=impl)
     wd = F.dequantize_ref(w, s)
-    used = impl or ("gemv" if m <= GEMV_M else "weight_only" if m <= 64 else "triton")
+    used = impl or ("gemv" if m <= GEMV_M["fp8"] else "weight_only" if m <= 64 else "triton")
     res = {"name": name, "shape_ok": list(y.shape) == [m, n] and y.dtype == dtype, "impl": used}
     if used in ("gemv", "weight_only"):
         ref = F.fp8_block_linear_ref(x, w, s, b)
@@ -211,7 +211,7 @@ def run_case(name, kind, dtype, m, n, k, impl, bias, seed):
         res = _gemv_case(name, kind, dt, m, n, k, impl, bias, gen)
     else:
         res = (_fp8_case if kind == "fp8" else _nvfp4_case)(name, dt, m, n, k, impl, bias, gen)
-        res.setdefault("impl", "gemv" if m <= GEMV_M else "dot")
+        res.setdefault("impl", "gemv" if m <= GEMV_M["nvfp4"] else "dot")
     if m <= 64 and impl != "triton":
         res["split"] = _split(res, kind, m, n, k, res.get("cfg"))
     res["counters_zero"] = all(int(c.abs().sum()) == 0 for c in _COUNTERS.values())

@@ -3,7 +3,7 @@
 ``w[n, k] = weight[n, k] * weight_scale_inv[n // 128, k // 128]``.
 
 Three paths, by the number of rows M:
-* M <= qgemv.GEMV_M (decode): the weight-only GEMV of qgemv.py (no tl.dot; W read once for all rows).
+* M <= qgemv.GEMV_M["fp8"] (decode): the weight-only GEMV of qgemv.py (no tl.dot; W read once for all rows).
 * M <= 64 (decode batches): weight-only on the MMA (``impl="weight_only"``). Bound by the weight
   bytes, so the fp8 weight is converted to the activation dtype in registers (exact: e4m3 has 4
   significant bits) and multiplied on the 16-bit MMA; the block scale is applied per 128-column K
@@ -276,14 +276,14 @@ def prefill_impl(device: torch.device, n: int = 4096, k: int = 4096) -> str:
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                      bias: torch.Tensor | None = None, *, impl: str | None = None) -> torch.Tensor:
     """x [..., K] bf16/fp16 @ dequant(weight)^T (+ bias) -> [..., N] in x's dtype. ``impl`` forces a
-    path ("gemv", "weight_only", "triton", "scaled_mm"); by default M <= qgemv.GEMV_M is the GEMV,
+    path ("gemv", "weight_only", "triton", "scaled_mm"); by default M <= qgemv.GEMV_M["fp8"] is the GEMV,
     M <= 64 weight-only (tl.dot), larger M W8A8."""
     if impl is not None and impl not in IMPLS:
         raise ValueError(f"fp8_block_linear: impl must be one of {sorted(IMPLS)}, got {impl!r}")
     x2, weight, wsi = _check(x, weight, weight_scale_inv, bias)
     m, n = x2.shape[0], weight.shape[0]
     if impl is None:
-        if m <= qgemv.GEMV_M:
+        if m <= qgemv.GEMV_M["fp8"]:
             impl = "gemv"
         elif m <= SMALL_M or not _fp8_tensor_cores(x2.device):
             impl = "weight_only"

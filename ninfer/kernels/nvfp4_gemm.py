@@ -6,7 +6,7 @@ sign, magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6), ``weight_scale[N, K/16]`` float8_e4
 Hopper has no FP4 tensor cores, so the weight is dequantized in registers and multiplied on the
 16-bit MMA. ``e2m1 * scale`` is exact in bf16 and fp16 (2 x 4 significant bits, magnitudes 2^-10 ..
 2688), so the only roundings are the MMA's fp32 accumulation and the output; the global scale
-divides the fp32 accumulator once. Up to qgemv.GEMV_M rows (decode) the GEMV of qgemv.py runs
+divides the fp32 accumulator once. Up to qgemv.GEMV_M["nvfp4"] rows (decode) the GEMV of qgemv.py runs
 instead (no MMA: fp32 FMAs, the packed bytes read once for all rows). With the MMA (``impl="dot"``):
 up to 64 rows one 16..64-row tile per program and K split over programs, so a decode-sized grid
 keeps every SM reading the packed bytes; larger M runs 128-row tiles, each dequantized weight tile
@@ -104,7 +104,7 @@ def nvfp4_linear(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: tor
                  weight_global_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
                  impl: str | None = None) -> torch.Tensor:
     """x [..., K] bf16/fp16 @ dequant(weight)^T (+ bias) -> [..., N] in x's dtype. ``impl`` forces a
-    path ("gemv", "dot"); by default M <= qgemv.GEMV_M is the GEMV, larger M the tl.dot kernel."""
+    path ("gemv", "dot"); by default M <= qgemv.GEMV_M["nvfp4"] is the GEMV, larger M the tl.dot kernel."""
     if impl is not None and impl not in IMPLS:
         raise ValueError(f"nvfp4_linear: impl must be one of {list(IMPLS)}, got {impl!r}")
     x2, packed, scale, gs = _check(x, weight_packed, weight_scale, weight_global_scale, bias)
@@ -112,7 +112,7 @@ def nvfp4_linear(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: tor
     n = packed.shape[0]
     if m == 0:
         return x.new_empty((*x.shape[:-1], n))
-    if impl == "gemv" or (impl is None and m <= qgemv.GEMV_M):
+    if impl == "gemv" or (impl is None and m <= qgemv.GEMV_M["nvfp4"]):
         return qgemv.nvfp4_gemv(x2, packed, scale, gs, bias, x.dtype).reshape(*x.shape[:-1], n)
     if m <= SMALL_M:
         bm, bn, bk, warps = row_tile(m), 64, 128, 4

@@ -29,7 +29,9 @@ import triton.language as tl
 from ninfer.kernels.qgemm_common import epilogue, sm_count, split_buffers
 
 log = logging.getLogger(__name__)
-GEMV_M = 8  # default dispatch: up to this many rows run the GEMV kernels (above it the tl.dot kernels)
+# Default dispatch: up to this many rows run the GEMV (above it the tl.dot kernels). H200, `ninfer bench
+# gemm`: the GEMV is faster on every Qwen3-8B shape up to M = 2 (FP8) and M = 4 (NVFP4).
+GEMV_M = {"fp8": 2, "nvfp4": 4}
 MAX_M = 32  # the most rows a GEMV launch takes (the bench times it beside the tl.dot kernels up to here)
 MAX_PER_THREAD = 512  # products per thread and K step (BLOCK_M*BLOCK_N*BLOCK_K / threads): no spills on sm90
 
