@@ -90,6 +90,17 @@ def key_stats(model, ids: torch.Tensor, alpha: float) -> dict[int, tuple[torch.T
     return {i: key_statistics(k, alpha) for i, k in keys.items()}
 
 
+def centring_stats(model, tok, names: Sequence[str]) -> dict[float, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """For the ``+c`` / ``+m`` names: smoothing strength -> ``key_stats`` over the engine's calibration
+    tokens (what the engine calibrates on at startup); empty when no name is centred."""
+    alphas = {centred(n) for n in names} - {None}
+    if not alphas:
+        return {}
+    from ninfer.kvcache import centering
+    cal = token_ids(tok, {"cal": centering.PASSAGE.read_text(encoding="utf-8")}, centering.TOKENS, model.device)["cal"]
+    return {a: key_stats(model, cal, a) for a in alphas}
+
+
 @contextlib.contextmanager
 def quantized_kv(model, codec: Codec | None, layers: Sequence[int] | None = None, planes: str = "kv",
                  keys: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> Iterator[None]:
@@ -187,12 +198,9 @@ def run_text(args) -> dict:
         raise ValueError("--tokens must be >= 2")
     model, tok = load(args.model, args.device)
     docs = documents()
-    stats = {}
-    if any(centred(n) is not None for n in names):  # the engine's calibration; the passage is not scored
+    stats = centring_stats(model, tok, names)
+    if stats:  # the calibration passage is not scored
         from ninfer.kvcache import centering
-        cal = token_ids(tok, {"cal": centering.PASSAGE.read_text(encoding="utf-8")}, centering.TOKENS,
-                        model.device)["cal"]
-        stats = {a: key_stats(model, cal, a) for a in {centred(n) for n in names} - {None}}
         docs.pop(centering.PASSAGE.stem, None)
     ids = token_ids(tok, docs, args.tokens, model.device)
     refs = {k: log_probs(model, x) for k, x in ids.items()}

@@ -168,12 +168,7 @@ def ninfer_kl(model_dir: str, ids: list[int], kvs: list[str], *, ctx: int, refer
     bos = tok.bos_token_id if add_bos else None
     batch = torch.tensor(chunks(ids, ctx, bos), device=model.device)
     first = ctx // 2
-    stats = {}  # `+c` names: the engine's key centring, calibrated as the engine does (kv_sim.run_text)
-    if any(kv_sim.centred(n) is not None for n in kvs):
-        from ninfer.kvcache import centering
-        cal = kv_sim.token_ids(tok, {"cal": centering.PASSAGE.read_text(encoding="utf-8")}, centering.TOKENS,
-                               model.device)["cal"]
-        stats = {a: kv_sim.key_stats(model, cal, a) for a in {kv_sim.centred(n) for n in kvs} - {None}}
+    stats = kv_sim.centring_stats(model, tok, kvs)  # `+c` names: the engine's key centring
 
     def logprobs(codec_name: str) -> torch.Tensor:
         keys = stats.get(kv_sim.centred(codec_name))
