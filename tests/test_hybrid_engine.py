@@ -5,6 +5,7 @@ state); aborting mid-prefill and mid-decode returns every page and state slot; t
 the loaded model agree on the cache spec; prefix reuse is off with its reason."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,18 @@ def test_hybrid_preset_checkpoint_is_what_transformers_loads(tmp_path: Path) -> 
         ours = model.compute_logits(model(ids, torch.arange(80), meta, ReferenceAttentionBackend(pool)))
         ref = hf.eval()(ids[None]).logits[0].float()
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=2e-4)
+
+
+def test_tiny_preset_with_default_tokenizer_and_bad_vocab(tmp_path: Path, capsys) -> None:
+    """The tiny preset's vocabulary cannot hold the probe's tokenizer: the default picks the byte-level one;
+    a vocabulary too small for any tokenizer is refused in one line, no traceback."""
+    from ninfer.tools.random_checkpoint import main
+    out = tmp_path / "tiny"
+    assert main(["--preset", "tiny-hybrid", "--out", str(out), "--device", "cpu", "--config-only"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    tok = json.loads((out / "tokenizer.json").read_text())
+    assert len(tok["model"]["vocab"]) <= cfg["vocab_size"]
+    with pytest.raises(SystemExit) as e:
+        main(["--preset", "tiny-hybrid", "--out", str(tmp_path / "bad"), "--device", "cpu", "--config-only",
+              "--set", "vocab_size=100"])
+    assert "vocab_size=100 is smaller than the tokenizer's" in str(e.value) and "\n" not in str(e.value)

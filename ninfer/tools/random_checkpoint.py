@@ -249,6 +249,10 @@ def write_random_checkpoint(out_dir: str | Path, preset: str | dict[str, Any] = 
     for old in list(out.glob("*.safetensors")) + [out / "model.safetensors.index.json", out / "hf_quant_config.json"]:
         old.unlink(missing_ok=True)  # a rewrite with fewer shards must not leave stale ones behind
     tok = write_tokenizer(out, tokenizer)
+    if g["vocab_size"] < len(tok) and tokenizer == "auto":  # a tiny preset: the probe's vocabulary does not fit
+        for n in _TOKENIZER_FILES:
+            (out / n).unlink(missing_ok=True)
+        tok = write_tokenizer(out, None)
     if g["vocab_size"] < len(tok):
         raise ValueError(f"vocab_size={g['vocab_size']} is smaller than the tokenizer's {len(tok)} tokens")
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -333,11 +337,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="directory whose tokenizer files are copied; auto = the probe model's if present; "
                         "'byte' = a byte-level tokenizer")
     a = p.parse_args(argv)
+    try:
+        _write_from_args(a)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"random_checkpoint: {e}") from None
+    return 0
+
+
+def _write_from_args(a: argparse.Namespace) -> None:
     write_random_checkpoint(a.out, a.preset, dtype=a.dtype, device=a.device, seed=a.seed, std=a.std,
                             shard_bytes=int(a.shard_gib * GiB), overrides=dict(a.overrides), progress=True,
                             config_only=a.config_only, quant=a.quant,
                             tokenizer=None if a.tokenizer_from == "byte" else a.tokenizer_from)
-    return 0
 
 
 if __name__ == "__main__":
