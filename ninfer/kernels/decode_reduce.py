@@ -11,6 +11,10 @@ Output ``out`` [R, D] in the caller's dtype: ``sum_s w_s * mid_o[s] / sum_s w_s`
 ``w_s = 2^(lse_s - max lse)``, then ``out = R . out`` per 64-group when ``rotated`` (R = S.H64.S is its own
 inverse). A row whose every split is empty (sequence length 0) gets zeros.
 
+``tail=(o [R, D], lse [R])`` (float32): one more partial, in the NATURAL basis whatever ``rotated`` says
+(rk4v4-e8w's window ring, ``window_attn.window_decode``); for rotated formats it is rotated into the
+H64 domain (R is symmetric) before the merge, so the one rotation after the merge holds for all.
+
 The grid is ``(R, cdiv(D, 64))`` and S is a launch argument, so the launch is CUDA-graph safe.
 """
 from __future__ import annotations
@@ -25,9 +29,9 @@ GROUP = 64
 
 
 @triton.jit
-def _decode_reduce_kernel(MO, ML, OUT, S,
-                          smo_r, smo_s, sml_r, so_r,
-                          D: tl.constexpr, BLOCK_S: tl.constexpr, ROTATED: tl.constexpr):
+def _decode_reduce_kernel(MO, ML, OUT, S, TO, TL,
+                          smo_r, smo_s, sml_r, so_r, sto_r,
+                          D: tl.constexpr, BLOCK_S: tl.constexpr, ROTATED: tl.constexpr, HAS_TAIL: tl.constexpr):
     """One program per (row, 64-dim block): all splits of that block are loaded at once (one
     [BLOCK_S, 64] tile per step, normally a single step), merged, and rotated back in registers."""
     r = tl.program_id(0).to(tl.int64)
@@ -50,6 +54,17 @@ def _decode_reduce_kernel(MO, ML, OUT, S,
         acc = acc * a + tl.sum(o * w[:, None], axis=0)
         l = l * a + tl.sum(w, axis=0)
         m = m_new
+    if HAS_TAIL:
+        lt = tl.load(TL + r)
+        ot = tl.load(TO + r * sto_r + offs_d, mask=dmask, other=0.0)
+        if ROTATED:
+            ot = tl.sum(ot[:, None] * rot64(tl.float32), axis=0)
+        m_new = tl.maximum(m, lt)
+        safe = m_new != float("-inf")
+        a = tl.where(safe, tl.exp2(m - m_new), 0.0)
+        wt = tl.where(safe, tl.exp2(lt - m_new), 0.0)
+        acc = acc * a + ot * wt
+        l = l * a + wt
     out = acc / tl.where(l > 0, l, 1.0)
     if ROTATED:
         # out_nat[i] = sum_j out_rot[j] R[j, i]: a [64] x [64, 64] product, broadcast in registers.
@@ -57,7 +72,8 @@ def _decode_reduce_kernel(MO, ML, OUT, S,
     tl.store(OUT + r * so_r + offs_d, out.to(OUT.dtype.element_ty), mask=dmask)
 
 
-def decode_reduce(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, *, rotated: bool) -> torch.Tensor:
+def decode_reduce(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, *, rotated: bool,
+                  tail: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Merge splits: ``mid_o`` float32 [R, S, D], ``mid_lse`` float32 [R, S] (log2 domain) into
     ``out`` [R, D] (any float dtype, written in place and returned); ``rotated`` applies the format's
     rotation R per 64-group after the merge (D must then be a multiple of 64).
@@ -76,10 +92,15 @@ def decode_reduce(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor,
         raise ValueError("decode_reduce: last dims must be contiguous")
     if rotated and d % GROUP:
         raise ValueError(f"decode_reduce: rotated output needs head_dim a multiple of 64, got {d}")
+    if tail is not None and (tail[0].shape != (r, d) or tail[1].shape != (r,) or tail[0].stride(1) != 1
+                             or tail[0].dtype != torch.float32 or tail[1].dtype != torch.float32):
+        raise ValueError(f"decode_reduce: tail must be float32 [{r}, {d}] and [{r}]")
     if r == 0:
         return out
     block_s = min(128, triton.next_power_of_2(max(1, s)))
-    _decode_reduce_kernel[(r, triton.cdiv(d, 64))](mid_o, mid_lse, out, s,
+    to, tlse = tail if tail is not None else (mid_o, mid_lse)
+    _decode_reduce_kernel[(r, triton.cdiv(d, 64))](mid_o, mid_lse, out, s, to, tlse,
                                                    mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0),
-                                                   D=d, BLOCK_S=block_s, ROTATED=rotated, num_warps=4)
+                                                   to.stride(0), D=d, BLOCK_S=block_s, ROTATED=rotated,
+                                                   HAS_TAIL=tail is not None, num_warps=4)
     return out
