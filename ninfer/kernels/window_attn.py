@@ -83,16 +83,18 @@ def _window_decode_kernel(Q, RK, RV, SLOT, LENS, WIN, MO, ML, sq_b, sq_h, qk_sca
                 mask=rmask[:, None] & dmask[None, :], other=0.0)
     j = tl.arange(0, W)
     base = (slot * HKV + h) * W
-    kk = tl.load(RK + (base + j)[:, None] * D + offs_d[None, :], mask=dmask[None, :], other=0.0)
-    s = tl.dot(q.to(kk.dtype), tl.trans(kk)) * qk_scale                       # [BLOCK_M, W]
-    # row j holds position n - 1 - ((n - 1 - j) mod W); it is in the window iff that offset < w
+    # row j holds position n - 1 - ((n - 1 - j) mod W); it is in the window iff that offset < w.
+    # Rows outside are not even loaded: the sequence may never have written them.
     valid = ((n - 1 - j + W) % W) < w
+    kvmask = valid[:, None] & dmask[None, :]
+    kk = tl.load(RK + (base + j)[:, None] * D + offs_d[None, :], mask=kvmask, other=0.0)
+    s = tl.dot(q.to(kk.dtype), tl.trans(kk)) * qk_scale                       # [BLOCK_M, W]
     s = tl.where(valid[None, :], s, float("-inf"))
     m = tl.max(s, axis=1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     p = tl.exp2(s - m_safe[:, None])
     l = tl.sum(p, axis=1)
-    vv = tl.load(RV + (base + j)[:, None] * D + offs_d[None, :], mask=dmask[None, :], other=0.0)
+    vv = tl.load(RV + (base + j)[:, None] * D + offs_d[None, :], mask=kvmask, other=0.0)
     o = tl.dot(p.to(vv.dtype), vv) / tl.where(l > 0, l, 1.0)[:, None]
     lse = tl.where(l > 0, m_safe + tl.log2(l), float("-inf"))
     r = b * (HKV * GROUP) + h * GROUP + rows
@@ -134,8 +136,9 @@ def window_decode_ref(q: torch.Tensor, ring: dict, slots: torch.Tensor, seq_lens
     s_idx = slots.clamp(min=0).long()
     j = torch.arange(win, device=q.device)
     valid = ((seq_lens[:, None].long() - 1 - j[None, :]) % win) < w[:, None].long()        # [B, W]
-    k = rk[s_idx].float().repeat_interleave(hq // hkv, dim=1)                                # [B, Hq, W, D]
-    v = rv[s_idx].float().repeat_interleave(hq // hkv, dim=1)
+    keep = valid[:, None, :, None]
+    k = torch.where(keep, rk[s_idx].float(), 0.0).repeat_interleave(hq // hkv, dim=1)        # [B, Hq, W, D]
+    v = torch.where(keep, rv[s_idx].float(), 0.0).repeat_interleave(hq // hkv, dim=1)
     s = torch.einsum("bhd,bhwd->bhw", q.float(), k) * (float(scale) * LOG2E)
     s = s.masked_fill(~valid[:, None, :], float("-inf"))
     m = s.amax(-1, keepdim=True)
