@@ -164,6 +164,22 @@ def test_cuda_window_matches_oracle(case, decode) -> None:
     _check(run_scenario(*case, kind="kernels", device="cuda", dtype=torch.bfloat16, force={"decode": decode}), 3e-2)
 
 
+@pytest.mark.cuda
+def test_cuda_engine_window_matches_cpu_and_graphs_equal_eager(tiny_checkpoint) -> None:
+    """The whole engine on CUDA (CUDA store and decode + window tail, SDPA prefill, decode graphs)
+    against the CPU reference engine, teacher-forced; graphs against eager on CUDA."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from tests.test_gpu_engine import _run
+    path = tiny_checkpoint(arch="llama", hidden=128, heads=4, kv_heads=2, head_dim=128)
+    ref_toks, ref_logits = _run(path, "cpu", "rk4v4-e8w")
+    _, graph = _run(path, "cuda", "rk4v4-e8w", forced=ref_toks)
+    _, eager = _run(path, "cuda", "rk4v4-e8w", forced=ref_toks, eager=True)
+    for r, g, e in zip(ref_logits, graph, eager):
+        assert (g - r).norm() / r.norm() < 3e-2, float((g - r).norm() / r.norm())
+        assert torch.allclose(g, e, rtol=0, atol=1e-3), (g - e).abs().max()
+
+
 def test_window_decode_tail_equals_torch_path() -> None:
     """The tail's torch path (the CPU path and the Triton kernel's oracle) is exact softmax over the
     ring's w newest rows: checked against a direct float64 computation, w = 0 gives lse -inf."""

@@ -196,7 +196,7 @@ def sdpa_prefill_unsupported(ctx) -> str | None:
         return f"format {ctx.fmt.name} has no dequantize kernel"
     if ctx.device.type != "cuda" and not (ctx.device.type == "cpu" and IO._interpreting()):
         return f"needs CUDA (or TRITON_INTERPRET=1 on CPU), device is {ctx.device}"
-    if ctx.device.type == "cuda" and ctx.dtype not in (torch.bfloat16, torch.float16):
+    if ctx.device.type == "cuda" and ctx.dtype not in (torch.bfloat16, torch.float16) and not ctx.fmt.window:
         return f"SDPA flash / cuDNN need bf16 or fp16, the model runs {ctx.dtype}"
     d = ctx.head_dim
     if d < 64 or d & (d - 1) or d > 256:
@@ -209,8 +209,11 @@ def bind_sdpa_prefill(ctx, short_chunks=None):
     tokens (decode-heavy mixed steps, where per-sequence SDPA calls cost more than they win) go to
     ``short_chunks`` (the Triton kernel) when given."""
     fmt = ctx.fmt
+    ws = None
     if fmt.window:  # every chunk needs its fresh K/V and the ring: this path serves all of them
-        short_chunks = None
+        short_chunks = None  # (an fp32 model on CUDA attends through a bf16 workspace)
+        if ctx.device.type == "cuda" and ctx.dtype not in (torch.bfloat16, torch.float16):
+            ws = torch.bfloat16
 
     def prefill(q, planes, meta, scale, window=None):
         if short_chunks is not None and meta.max_query_len < MIN_CHUNK:
@@ -218,7 +221,8 @@ def bind_sdpa_prefill(ctx, short_chunks=None):
         qlens = meta.query_lens_cpu if meta.query_lens_cpu is not None else \
             (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
         slens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
-        return prefill_sdpa(q, planes, fmt, list(qlens), list(slens), meta.block_tables, scale, window=window)
+        return prefill_sdpa(q, planes, fmt, list(qlens), list(slens), meta.block_tables, scale, ws_dtype=ws,
+                            window=window)
     return prefill
 
 
