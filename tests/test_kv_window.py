@@ -34,6 +34,7 @@ SCENARIOS = [
     ("long-chunk-gqa1-d64", 2, 2, 64, [[300], [1], [1]], [0], 3),
     ("prefix-mixed-gqa3-d64", 6, 2, 64, [[70, 100], [1, 100], [40, 1], [1, 1], [1, 1]], [128, 0], 4),
     ("prefix-decode-gqa4-d128", 4, 1, 128, [[1], [1], [90], [1]], [192], 5),
+    ("kv-chunks-gqa2-d64", 4, 2, 64, [[150], [60], [1]], [0], 6),  # SDPA over 64-token KV chunks: the ring spans 3
 ]
 CHILD = ["short-gqa2-d64", "prefix-mixed-gqa3-d64"]
 
@@ -92,6 +93,8 @@ def run_scenario(name, hq, hkv, d, steps, prefixes, seed, kind="reference", devi
     keys, vals = keys.to(dtype), torch.randn(bsz, max(total), hkv, d, generator=gen).to(dtype)
     if kind == "reference":
         backend = ReferenceAttentionBackend(pool)
+    elif kind == "sdpa-torch":
+        backend = _TorchSdpaPrefill(pool)
     else:
         backend = select_backend(pool, device, dtype, hq, kind="kernels", force=force)
     width = max(npg)
@@ -124,6 +127,32 @@ def run_scenario(name, hq, hkv, d, steps, prefixes, seed, kind="reference", devi
     return {"name": name, "steps": res}
 
 
+class _TorchSdpaPrefill:
+    """Prefill steps through ``prefill_sdpa`` with its torch ops and 64-token KV chunks (the window
+    overwrite crossing chunk boundaries), decode steps through the reference backend."""
+
+    def __init__(self, pool) -> None:
+        from ninfer.attention.reference import ReferenceAttentionBackend
+        self.ref = ReferenceAttentionBackend(pool)
+        self.plan = self.ref.plan
+
+    def forward(self, layer, q, k, v, meta, scale):
+        from ninfer.attention.prefill_sdpa import PrefillWindow, prefill_sdpa
+        if meta.is_decode:
+            return self.ref.forward(layer, q, k, v, meta, scale)
+        ref = self.ref
+        ref.store(layer, k, v, meta.slot_mapping)
+        ring, slots, starts = ref._ring(layer, meta)
+        out = prefill_sdpa(q, ref.pool.layers[layer], ref.fmt, meta.query_lens_cpu, meta.seq_lens_cpu,
+                           meta.block_tables, scale, kv_chunk=64, torch_ops=True,
+                           window=PrefillWindow(k, v, ring, meta.state_slots, starts))
+        t0 = 0
+        for b, (n, sl) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            ref.write_ring(ring, slots[b], k[t0:t0 + n], v[t0:t0 + n], sl - n)
+            t0 += n
+        return out
+
+
 def _check(r: dict, tol: float) -> None:
     for i, (rel, _) in enumerate(r["steps"]):
         assert rel <= tol, f"step {i}: relative error {rel:.3e} > {tol} (NaN: an unwritten ring row was read)"
@@ -135,6 +164,11 @@ def _check(r: dict, tol: float) -> None:
 @pytest.mark.parametrize("case", SCENARIOS, ids=[c[0] for c in SCENARIOS])
 def test_reference_window_matches_float64_oracle(case) -> None:
     _check(run_scenario(*case), 1e-5)
+
+
+@pytest.mark.parametrize("case", SCENARIOS[-2:], ids=[c[0] for c in SCENARIOS[-2:]])
+def test_sdpa_prefill_window_matches_float64_oracle(case) -> None:
+    _check(run_scenario(*case, kind="sdpa-torch"), 1e-5)
 
 
 def _child() -> int:
