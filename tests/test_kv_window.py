@@ -339,5 +339,28 @@ def test_hybrid_model_with_window_matches_unquantized_below_w(tmp_path_factory) 
     assert not eng.prefix_caching  # the GDN states still turn prefix reuse off
 
 
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_plan_counts_each_ranks_ring(tp: int) -> None:
+    """Qwen3-8B geometry: 36 layers x 8/N KV heads x 128 x (K, V) x 128 tokens x bf16 per sequence and
+    rank, over max_num_seqs slots; hybrid Qwen3.5 geometry: the ring of its 16 attention layers on top
+    of its GDN states."""
+    from ninfer.kvcache.planner import GiB, plan_memory
+    from ninfer.model_config import ModelConfig
+    from tests.test_tp_planner import DENSE, HYBRID
+    args = dict(total_bytes=140 * GiB, free_bytes=140 * GiB, max_context=32768, max_num_seqs=8,
+                max_num_batched_tokens=2048, device_type="cuda", tensor_parallel_size=tp)
+    e8, e8w = (plan_memory(ModelConfig.from_dict(DENSE), kv_dtype=k, **args) for k in ("rk4v4-e8", "rk4v4-e8w"))
+    ring = 36 * (8 // tp) * 128 * 2 * W * 2
+    assert e8w.window_bytes_per_seq == e8w.state_bytes_per_seq == ring and e8w.state_bytes == 8 * ring
+    assert e8.state_bytes == 0 and e8w.bytes_per_token == e8.bytes_per_token
+    assert e8w.runtime_bytes - e8w.kv_bytes == e8.runtime_bytes - e8.kv_bytes + 8 * ring
+    assert e8w.largest_context < e8.largest_context
+    if tp <= 2:
+        hyb = plan_memory(ModelConfig.from_dict(HYBRID), kv_dtype="rk4v4-e8w", **args)
+        base = plan_memory(ModelConfig.from_dict(HYBRID), kv_dtype="rk4v4-e8", **args)
+        assert hyb.window_bytes_per_seq == 16 * (4 // tp) * 256 * 2 * W * 2
+        assert hyb.state_bytes_per_seq == base.state_bytes_per_seq + hyb.window_bytes_per_seq
+
+
 if __name__ == "__main__" and "--child" in sys.argv:
     sys.exit(_child())

@@ -246,5 +246,9 @@ class KVCachePool:
                 if t is None or tuple(t.shape) != (self.num_slots, *shape) or t.dtype != spec.dtype(n):
                     errors.append(f"state layer {j} tensor {n}: {None if t is None else list(t.shape)}, spec wants "
                                   f"{_dtype_name(spec.dtype(n))}{[self.num_slots, *shape]}")
+        ring = (self.num_slots, self.num_kv_heads, self.window, D)
+        if any(tuple(t.shape) != ring or t.dtype != self.model_dtype or not t.is_contiguous()
+               for st in self.windows for t in st.values()) or len(self.windows) != (self.num_layers if self.window else 0):
+            errors.append(f"window rings are not {len(self.windows)} x contiguous {_dtype_name(self.model_dtype)}{list(ring)}")
         if errors:
             raise GeometryError(f"KV plane geometry does not match kv_dtype={fmt.name}: " + "; ".join(errors))
