@@ -14,9 +14,9 @@ else the chosen decode implementation's rule, which reads only the SM count, the
 occupancy and the table width) and caches it per shape.
 
 Windowed formats (rk4v4-e8w; the pool has rings and the step carries state slots): the new tokens'
-K/V also go to the ring (``kernels/window_attn.py``). Decode writes the ring first, runs the split
-kernel over the pages of [0, L - w) and merges the ring's [L - w, L) as one more partial in
-``decode_reduce`` (w = min(W, L - v) on the device, so graphs capture it). Prefill attends the
+K/V also go to the ring (``kernels/window_attn.py``). Decode runs the split kernel over the pages of
+[0, L - w) and ``decode_reduce`` merges the ring's [L - w, L) as one more partial, writing this
+token to the ring as it goes (w = min(W, L - v) on the device, so graphs capture it). Prefill attends the
 chunk's fresh K/V and the ring's copies of the cached part's last positions (``PrefillWindow``),
 then writes the ring (the chunk may overwrite rows the cached part still needed).
 """
@@ -29,18 +29,18 @@ import torch
 from ninfer.attention.base import BaseAttentionBackend, StepMetadata
 from ninfer.attention.prefill_sdpa import PrefillWindow
 from ninfer.attention.selector import OPS, BoundOp, op_context, select_ops
-from ninfer.kernels.window_attn import ring_write, window_decode, window_width
+from ninfer.kernels.window_attn import WindowTail, ring_write, window_width
 
 
 class WindowPlan(NamedTuple):
     """A windowed step's per-step tensors (``plan``): decode: w [B] and the pages' lengths L - w;
-    every step: the ring rows to write (slot -1 = none; only a chunk's last W tokens) and, for
-    prefill, each sequence's ring start on the host."""
+    prefill: the ring rows to write (slot -1 = none; only a chunk's last W tokens) and each
+    sequence's ring start on the host."""
     splits: int
     w: torch.Tensor | None
     page_lens: torch.Tensor | None
-    slots: torch.Tensor
-    pos: torch.Tensor
+    slots: torch.Tensor | None
+    pos: torch.Tensor | None
     starts: list[int] | None
 
 
@@ -79,7 +79,7 @@ class KernelAttentionBackend(BaseAttentionBackend):
         slots, lens = meta.state_slots, meta.seq_lens
         if meta.is_decode:  # device ops only: a captured graph recomputes them on every replay
             w = window_width(self.pool.window_start, slots, lens, self.pool.window)
-            return WindowPlan(splits, w, lens - w, slots, (lens - 1).to(torch.int64), None)
+            return WindowPlan(splits, w, lens - w, None, None, None)
         qlens = meta.query_lens_cpu or (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
         slens = meta.seq_lens_cpu or lens.tolist()
         starts = meta.window_start_cpu
@@ -111,8 +111,8 @@ class KernelAttentionBackend(BaseAttentionBackend):
                 q = q.contiguous()
             if ring is None:
                 return self._decode(q, planes, meta.block_tables, meta.seq_lens, scale, plan)
-            ring_write(ring, k, v, plan.slots, plan.pos)
-            tail = window_decode(q, ring, meta.state_slots, meta.seq_lens, plan.w, scale)
+            # the ring's partial, and this token's ring write, happen inside the split reduction
+            tail = WindowTail(q, k, v, ring, meta.state_slots, meta.seq_lens, plan.w, scale)
             return self._decode(q, planes, meta.block_tables, plan.page_lens, scale, plan.splits, tail)
         if ring is None:
             return self._prefill(q, planes, meta, scale)

@@ -162,7 +162,7 @@ def _splits(num_splits: int) -> int:
 def paged_decode_triton(q: torch.Tensor, k_planes, v_planes, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         fmt: KVFormat, scale: float, *, num_splits: int | None = None,
                         out: torch.Tensor | None = None, num_warps: int = 4,
-                        tail: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                        tail=None) -> torch.Tensor:
     """Decode attention of one new query token per sequence over its paged, cached K/V (Triton kernel).
 
     Parameters
@@ -180,8 +180,8 @@ def paged_decode_triton(q: torch.Tensor, k_planes, v_planes, block_tables: torch
         and ``max_pages`` only, never ``seq_lens``), so one value serves a captured graph.
     out : optional [B, Hq, D] output buffer (q's dtype).
     num_warps : tuning knob for the benchmark.
-    tail : one more partial (o float32 [B*Hq, D] natural basis, lse float32 [B*Hq] log2) merged with the
-        splits (rk4v4-e8w's window, ``window_attn.window_decode``; seq_lens then end where it starts).
+    tail : a ``window_attn.WindowTail`` (rk4v4-e8w): the ring's newest positions, merged with the splits
+        by ``decode_reduce`` (``seq_lens`` then ends where the window starts).
 
     Returns
     -------
@@ -224,7 +224,7 @@ def paged_decode_triton(q: torch.Tensor, k_planes, v_planes, block_tables: torch
 def paged_decode_cuda(q: torch.Tensor, k_planes, v_planes, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                       fmt: KVFormat, scale: float, *, num_splits: int | None = None,
                       out: torch.Tensor | None = None, cuda_cfg: tuple[int, ...] | None = None,
-                      tail: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      tail=None) -> torch.Tensor:
     """``paged_decode_triton``'s contract on the CUDA C++ split kernel (int8/rk4v4/rk4v4-e8, head_dim
     128/256, GQA group <= 8, page 64, sm_80+); ValueError where it cannot run. Default splits:
     ``cuda_num_splits`` (one wave of resident blocks). cuda_cfg: (warps, chunk, stages[, min blocks

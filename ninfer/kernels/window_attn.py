@@ -6,24 +6,39 @@ the sequence in slot s lives at row p % W, so the ring of a sequence of length L
 (0 normally, the end of a reused prefix otherwise): attention reads the ring for positions
 [L - w, L), w = min(W, L - v), and the pages before that, so it never reads a row it did not write.
 
-* ``ring_write``: scatter new tokens' k/v [n, Hkv, D] to (slot, pos % W); slot -1 = skip (decode padding
-  rows). The caller passes at most one token per (slot, row), i.e. only a chunk's last W tokens.
-* ``window_decode``: the decode tail, one more flash-decoding partial: each row's query group attends
-  its ring's w newest entries; returns (o float32 [B*Hq, D] natural basis, lse float32 [B*Hq] log2 of
-  the scaled scores, -inf where w = 0), the form ``decode_reduce`` merges with the page splits.
-
-Both are Triton kernels on CUDA (and under TRITON_INTERPRET=1) with a torch path elsewhere; the torch
-``window_decode_ref`` is also their oracle. Graph-safe: shapes and grids depend on B, Hkv, W, D only.
+* ``ring_write``: scatter new tokens' k/v [n, Hkv, D] to (slot, pos % W); slot -1 = skip. The caller
+  passes at most one token per (slot, row), i.e. only a chunk's last W tokens (prefill steps).
+* ``window_tail``: the decode tail, one more flash-decoding partial, computed inside
+  ``decode_reduce`` (no launch of its own): a query row attends its ring's w newest rows, the newest
+  (the token of this step) taken from the fresh k/v, which the group's first head writes to the ring.
+  Returns (o float32 [64] of the program's dims, natural basis; lse: log2 of the scaled scores,
+  -inf where w = 0). ``WindowTail`` bundles its inputs.
+Triton (CUDA, or TRITON_INTERPRET=1); ``ring_write`` has a torch path for CPU tensors and
+``window_decode_ref`` is the tail's torch oracle. Graph-safe: nothing depends on host values.
 """
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ninfer.kernels._common import LOG2E
+from ninfer.kernels._common import LOG2E  # noqa: F401 (decode_reduce takes it from here)
+
+
+class WindowTail(NamedTuple):
+    """The decode tail's inputs: q [B, Hq, D], this step's k/v [B, Hkv, D], the layer's ring, per row
+    the slot, the length L and the window w (int32 [B]), the softmax scale."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    ring: dict
+    slots: torch.Tensor
+    seq_lens: torch.Tensor
+    w: torch.Tensor
+    scale: float
 
 
 def _triton_ok(t: torch.Tensor) -> bool:
@@ -67,39 +82,44 @@ def ring_write(ring: dict, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
 
 
 @triton.jit
-def _window_decode_kernel(Q, RK, RV, SLOT, LENS, WIN, MO, ML, sq_b, sq_h, qk_scale,
-                          HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, W: tl.constexpr,
-                          D: tl.constexpr, BLOCK_D: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+def window_tail(r, offs_d, dmask, Q, KN, VN, RK, RV, SLOT, LENS, WIN, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h,
+                qk_scale, D: tl.constexpr, HQ: tl.constexpr, GROUP_SIZE: tl.constexpr, HKV: tl.constexpr,
+                W: tl.constexpr, BLOCK_DF: tl.constexpr):
+    b = r // HQ
+    hq = r % HQ
+    h = hq // GROUP_SIZE
     n = tl.load(LENS + b)
     w = tl.load(WIN + b)
-    slot = tl.maximum(tl.load(SLOT + b), 0).to(tl.int64)
-    rows = tl.arange(0, BLOCK_M)
-    rmask = rows < GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < D
-    q = tl.load(Q + b * sq_b + (h * GROUP + rows)[:, None] * sq_h + offs_d[None, :],
-                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    slot_in = tl.load(SLOT + b)
+    slot = tl.maximum(slot_in, 0).to(tl.int64)
     j = tl.arange(0, W)
-    base = (slot * HKV + h) * W
     # row j holds position n - 1 - ((n - 1 - j) mod W); it is in the window iff that offset < w.
     # Rows outside are not even loaded: the sequence may never have written them.
     valid = ((n - 1 - j + W) % W) < w
-    kvmask = valid[:, None] & dmask[None, :]
-    kk = tl.load(RK + (base + j)[:, None] * D + offs_d[None, :], mask=kvmask, other=0.0)
-    s = tl.dot(q.to(kk.dtype), tl.trans(kk)) * qk_scale                       # [BLOCK_M, W]
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m = tl.max(s, axis=1)
+    newest = (j == (n - 1 + W) % W)[:, None]
+    base = (slot * HKV + h) * W
+    offs_f = tl.arange(0, BLOCK_DF)
+    fmask = offs_f < D
+    qv = tl.load(Q + b * sq_b + hq * sq_h + offs_f, mask=fmask, other=0.0).to(tl.float32)
+    kt = tl.load(RK + (base + j)[:, None] * D + offs_f[None, :], mask=valid[:, None] & fmask[None, :], other=0.0)
+    kf = tl.load(KN + b * skn_b + h * skn_h + offs_f, mask=fmask, other=0.0)
+    kt = tl.where(newest, kf[None, :].to(tl.float32), kt.to(tl.float32))
+    s = tl.where(valid, tl.sum(kt * qv[None, :], axis=1) * qk_scale, float("-inf"))
+    m = tl.max(s, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    p = tl.exp2(s - m_safe[:, None])
-    l = tl.sum(p, axis=1)
-    vv = tl.load(RV + (base + j)[:, None] * D + offs_d[None, :], mask=kvmask, other=0.0)
-    o = tl.dot(p.to(vv.dtype), vv) / tl.where(l > 0, l, 1.0)[:, None]
-    lse = tl.where(l > 0, m_safe + tl.log2(l), float("-inf"))
-    r = b * (HKV * GROUP) + h * GROUP + rows
-    tl.store(MO + r[:, None] * D + offs_d[None, :], o, mask=rmask[:, None] & dmask[None, :])
-    tl.store(ML + r, lse, mask=rmask)
+    p = tl.exp2(s - m_safe)
+    l = tl.sum(p, axis=0)
+    vt = tl.load(RV + (base + j)[:, None] * D + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+    vb = tl.load(VN + b * svn_b + h * svn_h + offs_d, mask=dmask, other=0.0)
+    vt = tl.where(newest, vb[None, :].to(tl.float32), vt.to(tl.float32))
+    o = tl.sum(p[:, None] * vt, axis=0) / tl.where(l > 0, l, 1.0)
+    lse = tl.where(l > 0, m_safe + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+    if (hq % GROUP_SIZE == 0) & (slot_in >= 0) & (n > 0):  # this step's token into the ring
+        row = base + (n - 1) % W
+        kb = tl.load(KN + b * skn_b + h * skn_h + offs_d, mask=dmask)
+        tl.store(RK + row * D + offs_d, kb.to(RK.dtype.element_ty), mask=dmask)
+        tl.store(RV + row * D + offs_d, vb.to(RV.dtype.element_ty), mask=dmask)
+    return o, lse
 
 
 def window_width(ring_start: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor, window: int) -> torch.Tensor:
@@ -108,28 +128,9 @@ def window_width(ring_start: torch.Tensor, slots: torch.Tensor, seq_lens: torch.
     return torch.clamp(torch.minimum(seq_lens - v, torch.full_like(seq_lens, window)), min=0).to(torch.int32)
 
 
-def window_decode(q: torch.Tensor, ring: dict, slots: torch.Tensor, seq_lens: torch.Tensor, w: torch.Tensor,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode tail over the ring: q [B, Hq, D]; slots, seq_lens, w int32 [B] -> (o [B*Hq, D], lse [B*Hq])."""
-    if not _triton_ok(q):
-        return window_decode_ref(q, ring, slots, seq_lens, w, scale)
-    bsz, hq, d = q.shape
-    rk, rv = ring["k"], ring["v"]
-    _, hkv, win, _ = rk.shape
-    group = hq // hkv
-    mo = torch.empty(bsz * hq, d, dtype=torch.float32, device=q.device)
-    ml = torch.empty(bsz * hq, dtype=torch.float32, device=q.device)
-    if bsz:
-        _window_decode_kernel[(bsz, hkv)](q, rk, rv, slots, seq_lens, w, mo, ml, q.stride(0), q.stride(1),
-                                          float(scale) * LOG2E, HKV=hkv, GROUP=group,
-                                          BLOCK_M=max(16, triton.next_power_of_2(group)), W=win, D=d,
-                                          BLOCK_D=triton.next_power_of_2(d), num_warps=4)
-    return mo, ml
-
-
 def window_decode_ref(q: torch.Tensor, ring: dict, slots: torch.Tensor, seq_lens: torch.Tensor, w: torch.Tensor,
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch form of ``window_decode`` (float32): the CPU path and the kernel's oracle."""
+    """The tail over the ring as it is (float32): o [B*Hq, D], lse [B*Hq] (log2 of scaled scores)."""
     bsz, hq, d = q.shape
     rk, rv = ring["k"], ring["v"]
     _, hkv, win, _ = rk.shape
@@ -150,4 +151,4 @@ def window_decode_ref(q: torch.Tensor, ring: dict, slots: torch.Tensor, seq_lens
     return o.reshape(bsz * hq, d), lse.reshape(bsz * hq)
 
 
-__all__ = ["ring_write", "window_decode", "window_decode_ref", "window_width"]
+__all__ = ["WindowTail", "ring_write", "window_tail", "window_decode_ref", "window_width"]
