@@ -115,5 +115,6 @@ def decode_reduce(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor,
     _decode_reduce_kernel[(r, triton.cdiv(d, 64))](mid_o, mid_lse, out, s, mid_o.stride(0), mid_o.stride(1),
                                                    mid_lse.stride(0), out.stride(0), *t, *strides, qk,
                                                    D=d, BLOCK_S=block_s, ROTATED=rotated,
-                                                   HAS_TAIL=tail is not None, **geo, num_warps=4)
+                                                   HAS_TAIL=tail is not None, **geo,
+                                                   num_warps=4 if tail is None else 8)  # a [W, D] ring tile
     return out
