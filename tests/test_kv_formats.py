@@ -17,7 +17,7 @@ def _snr_db(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def test_names_and_refusals() -> None:
-    assert FORMAT_NAMES == ("auto", "bf16", "int8", "rk4v4", "rk4v4-e8")
+    assert FORMAT_NAMES == ("auto", "bf16", "int8", "rk4v4", "rk4v4-e8", "rk4v4-e8w")
     for n in FORMAT_NAMES:
         assert isinstance(get_format(n), KVFormat) and get_format(n).name == n
     with pytest.raises(ValueError, match="rk2v4-e8"):

@@ -216,7 +216,7 @@ def test_cli_fits(dense_dir, capsys):
     for kv, bpt in (("bf16", 147456), ("int8", 76032), ("rk4v4-e8", 39168)):
         assert re.search(rf"^{re.escape(kv)}\s+{bpt}\s+\d+\s+yes$", out, re.M), out
     lines = [ln.split("] ", 1)[1] for ln in out.splitlines() if ln.startswith("[")]
-    assert len(lines) == 4 and all(LINE.match(ln) for ln in lines)
+    assert len(lines) == 5 and all(LINE.match(ln.split(" states=")[0]) for ln in lines)  # rk4v4-e8w: + its window
 
 
 def test_cli_default_context_follows_yarn(dense_dir, capsys):

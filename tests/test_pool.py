@@ -19,6 +19,7 @@ EXPECTED = {
     "int8": (torch.int8, lambda d: d, lambda d: d // 64),
     "rk4v4": (torch.uint8, lambda d: d // 2, lambda d: d // 64),
     "rk4v4-e8": (torch.uint8, lambda d: d // 2, lambda d: d // 64),
+    "rk4v4-e8w": (torch.uint8, lambda d: d // 2, lambda d: d // 64),  # the pages of rk4v4-e8
 }
 
 

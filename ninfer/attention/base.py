@@ -42,6 +42,9 @@ class StepMetadata:
     # computed tokens before this step) [B] bool; False = start from zeros.
     state_slots: torch.Tensor | None = None
     has_initial_state: torch.Tensor | None = None
+    # Window rings (rk4v4-e8w): per sequence, the first position its ring holds (host copy of
+    # pool.window_start at state_slots); None: read pool.window_start.
+    window_start_cpu: list[int] | None = None
     plan: Any = None                # backend-private, set by backend.plan(meta) once per step
 
     @property

@@ -12,12 +12,19 @@ Per sequence of the step (its chunk of Tq new tokens already stored, ``ctx`` tok
    is stored) and attended causally, K/V expanded to the query heads (small: Tq x Tq).
 4. Partial results are merged by their log-sum-exp in float32 and the output is rotated back once.
 
+Windowed formats (rk4v4-e8w, ``window=PrefillWindow``): the chunk's own tokens are the fresh K/V the
+layer computed (model dtype), not read back from the pages, and the cached part's last
+wc = min(W, ctx - v) positions are overwritten in the workspace with the sequence's ring copies (both
+put in the workspace's domain). The caller writes the ring only after this call.
+
 SDPA backends (all return the log-sum-exp): CUDA tries cuDNN first and falls back to flash on
 any refusal (remembered per shape class); CPU uses aten's CPU flash kernel. The dequantize step is
 a Triton kernel, like the Q fold and the merge (``ninfer/kernels/sdpa_io.py``); CPU tests run them
 under ``TRITON_INTERPRET=1``, and ``torch_ops=True`` swaps in their torch oracles for fast logic tests.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -87,10 +94,32 @@ def _merge(acc: list, o: torch.Tensor, lse: torch.Tensor) -> None:
     acc[1] = acc[1] + F.softplus(diff)
 
 
+@dataclass
+class PrefillWindow:
+    """A windowed format's bf16 part of a prefill step: fresh k/v [T, Hkv, D] of the step's tokens, the
+    layer's ring {"k", "v"} [slots, Hkv, W, D], each sequence's slot (device int32 [B]) and ring start
+    (host ints)."""
+    k: torch.Tensor
+    v: torch.Tensor
+    ring: dict
+    slots: torch.Tensor
+    starts: list[int]
+
+    def cached_rows(self, b: int, ctx: int) -> int:
+        return max(0, min(self.ring["k"].shape[2], ctx - self.starts[b]))
+
+    def ring_values(self, b: int, p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence b's ring copies of positions [p0, p1): K, V [Hkv, p1 - p0, D]."""
+        w = self.ring["k"].shape[2]
+        rows = torch.arange(p0, p1, device=self.slots.device) % w
+        sl = self.slots[b:b + 1].long()
+        return tuple(self.ring[n].index_select(0, sl)[0].index_select(1, rows) for n in ("k", "v"))
+
+
 def prefill_sdpa(q: torch.Tensor, planes: dict, fmt: KVFormat | str, query_lens: list[int], seq_lens: list[int],
                  block_tables: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
                  kv_chunk: int = KV_CHUNK, ws_dtype: torch.dtype | None = None, torch_ops: bool = False,
-                 order: tuple[str, ...] | None = None) -> torch.Tensor:
+                 order: tuple[str, ...] | None = None, window: PrefillWindow | None = None) -> torch.Tensor:
     """Causal attention of the flattened new tokens ``q`` [T, Hq, D] (natural order; sequence b owns
     ``query_lens[b]`` rows, in order) over their pages, the chunks already stored. ``seq_lens`` are
     host ints (cached + new), ``block_tables`` [B, max_pages] int32 on q's device. ``ws_dtype``: the
@@ -114,6 +143,9 @@ def prefill_sdpa(q: torch.Tensor, planes: dict, fmt: KVFormat | str, query_lens:
         else:
             ws[0, :, :n], ws[1, :, :n] = dequant_pages_ref(planes, fmt.name, bt, tok0, n, ws.dtype)
 
+    def put(x: torch.Tensor, dst: torch.Tensor) -> None:  # model-dtype K/V [Hkv, n, D] into the workspace
+        dst.copy_(IO.to_word_domain(x) if rot else x)
+
     out = torch.empty_like(q) if out is None else out
     kv_chunk = max(int(kv_chunk), max(query_lens, default=1))
     ws = None
@@ -130,9 +162,14 @@ def prefill_sdpa(q: torch.Tensor, planes: dict, fmt: KVFormat | str, query_lens:
             ws = torch.empty(2, hkv, min(kv_chunk, max(seq_lens)), d, dtype=wdt, device=q.device)
         cached = None  # the cached part's (o, lse); several KV chunks merge into a float32 accumulator
         acc: list = []
+        r0 = ctx - (window.cached_rows(b, ctx) if window is not None else 0)  # ring copies from r0 on
         for k0 in range(0, ctx, kv_chunk):
             n = min(kv_chunk, ctx - k0)
             fill(bt, k0, n, ws)
+            if k0 + n > r0:
+                p0 = max(k0, r0)
+                for i, x in enumerate(window.ring_values(b, p0, k0 + n)):
+                    put(x, ws[i, :, p0 - k0:n])
             o, lse = sdpa_lse(qf.view(1, hkv, g * tq, d), ws[0, None, :, :n], ws[1, None, :, :n], False, scale, order)
             if cached is not None:
                 if not acc:
@@ -140,7 +177,11 @@ def prefill_sdpa(q: torch.Tensor, planes: dict, fmt: KVFormat | str, query_lens:
                 _merge(acc, o[0], lse[0])
             cached = (acc[0], acc[1]) if acc else (o[0], lse[0])
         parts = [] if cached is None else [(cached[0], cached[1], True)]
-        fill(bt, ctx, tq, ws)
+        if window is None:
+            fill(bt, ctx, tq, ws)
+        else:  # the chunk's own K/V as the layer computed them
+            put(window.k[q0:q0 + tq].transpose(0, 1), ws[0, :, :tq])
+            put(window.v[q0:q0 + tq].transpose(0, 1), ws[1, :, :tq])
         kc, vc = (ws[i, :, :tq].repeat_interleave(g, dim=0)[None] for i in (0, 1))  # [1, Hq, Tq, D]
         o, lse = sdpa_lse(qf.view(1, hq, tq, d), kc, vc, True, scale, order)
         parts.append((o[0], lse[0], False))
@@ -155,7 +196,7 @@ def sdpa_prefill_unsupported(ctx) -> str | None:
         return f"format {ctx.fmt.name} has no dequantize kernel"
     if ctx.device.type != "cuda" and not (ctx.device.type == "cpu" and IO._interpreting()):
         return f"needs CUDA (or TRITON_INTERPRET=1 on CPU), device is {ctx.device}"
-    if ctx.device.type == "cuda" and ctx.dtype not in (torch.bfloat16, torch.float16):
+    if ctx.device.type == "cuda" and ctx.dtype not in (torch.bfloat16, torch.float16) and not ctx.fmt.window:
         return f"SDPA flash / cuDNN need bf16 or fp16, the model runs {ctx.dtype}"
     d = ctx.head_dim
     if d < 64 or d & (d - 1) or d > 256:
@@ -168,16 +209,22 @@ def bind_sdpa_prefill(ctx, short_chunks=None):
     tokens (decode-heavy mixed steps, where per-sequence SDPA calls cost more than they win) go to
     ``short_chunks`` (the Triton kernel) when given."""
     fmt = ctx.fmt
+    ws = None
+    if fmt.window:  # every chunk needs its fresh K/V and the ring: this path serves all of them
+        short_chunks = None  # (an fp32 model on CUDA attends through a bf16 workspace)
+        if ctx.device.type == "cuda" and ctx.dtype not in (torch.bfloat16, torch.float16):
+            ws = torch.bfloat16
 
-    def prefill(q, planes, meta, scale):
+    def prefill(q, planes, meta, scale, window=None):
         if short_chunks is not None and meta.max_query_len < MIN_CHUNK:
             return short_chunks(q, planes, meta, scale)
         qlens = meta.query_lens_cpu if meta.query_lens_cpu is not None else \
             (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
         slens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.tolist()
-        return prefill_sdpa(q, planes, fmt, list(qlens), list(slens), meta.block_tables, scale)
+        return prefill_sdpa(q, planes, fmt, list(qlens), list(slens), meta.block_tables, scale, ws_dtype=ws,
+                            window=window)
     return prefill
 
 
-__all__ = ["prefill_sdpa", "sdpa_lse", "workspace_bytes", "sdpa_prefill_unsupported",
+__all__ = ["prefill_sdpa", "PrefillWindow", "sdpa_lse", "workspace_bytes", "sdpa_prefill_unsupported",
            "bind_sdpa_prefill", "KV_CHUNK"]

@@ -5,7 +5,16 @@ float32. What is attended is exactly what was stored, so quantized formats are m
 Decoding every cached page at every step and layer dominated CPU decode, so decoded pages are kept
 (`_DecodedPages`): a slot is only ever rewritten through `store`, which marks its page stale, so a
 kept page equals a fresh decode of what is stored (pages freed, reused by another sequence, or
-re-filled after preemption are all rewritten through `store` first)."""
+re-filled after preemption are all rewritten through `store` first).
+
+Windowed formats (rk4v4-e8w; the pool has rings, the step carries state slots): the executable spec.
+A sequence with C tokens cached before this step, q_len new ones and ring start v attends
+* its new tokens as the layer computed them (model dtype, not read back from the pages);
+* the ring's copies of cached positions [C - wc, C), wc = min(W - 1, C - v) in a decode step (so
+  with the new token the last min(W, L - v) positions are model dtype, what the decode kernels read)
+  and min(W, C - v) in a prefill step;
+* the pages for [0, C - wc).
+The ring is read before this step's tokens are written to it."""
 from __future__ import annotations
 
 from typing import Any
@@ -157,6 +166,25 @@ class ReferenceAttentionBackend(BaseAttentionBackend):
         meta.plan = (starts, [int(n) for n in seq_lens])
         return meta.plan
 
+    def _ring(self, layer: int, meta: StepMetadata) -> tuple[dict, list[int], list[int]] | None:
+        """(the layer's ring, each sequence's slot, its ring start) on a windowed step, else None."""
+        if not self.pool.windows or meta.state_slots is None:
+            return None
+        slots = meta.state_slots.tolist()
+        starts = meta.window_start_cpu
+        if starts is None:
+            starts = [self.pool.window_start_cpu[s] if s >= 0 else 0 for s in slots]
+        return self.pool.windows[layer], slots, list(starts)
+
+    def write_ring(self, ring: dict, slot: int, k: torch.Tensor, v: torch.Tensor, pos0: int) -> None:
+        """Tokens k/v [n, Hkv, D] at positions pos0.. of the sequence in `slot` (its last W matter)."""
+        w = ring["k"].shape[2]
+        n = k.shape[0]
+        first = max(0, n - w)
+        rows = torch.arange(pos0 + first, pos0 + n, device=k.device) % w
+        ring["k"][slot][:, rows] = k[first:].transpose(0, 1).to(ring["k"].dtype)
+        ring["v"][slot][:, rows] = v[first:].transpose(0, 1).to(ring["v"].dtype)
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: StepMetadata, scale: float) -> torch.Tensor:
         t, hq, d = q.shape
@@ -166,6 +194,7 @@ class ReferenceAttentionBackend(BaseAttentionBackend):
         group = hq // hkv
         self.store(layer, k, v, meta.slot_mapping)
         starts, seq_lens = meta.plan if isinstance(meta.plan, tuple) else self.plan(meta)
+        ring = self._ring(layer, meta)
         out = torch.empty_like(q)
         for b, seq_len in enumerate(seq_lens):
             q0, q1 = int(starts[b]), int(starts[b + 1])
@@ -179,6 +208,8 @@ class ReferenceAttentionBackend(BaseAttentionBackend):
             if bool((pages < 0).any()):
                 raise ValueError(f"sequence {b}: block table has no page for some of its {seq_len} tokens")
             kb, vb = self.gather_kv(layer, pages, seq_len)  # [Hkv, L, D]
+            if ring is not None and ring[1][b] >= 0:
+                kb, vb = self._windowed(ring, b, kb, vb, k[q0:q1], v[q0:q1], meta.is_decode)
             # GQA: query head h reads KV head h // group; view q as [Hkv, group, q_len, D]
             qb = q[q0:q1].to(torch.float32).permute(1, 0, 2).reshape(hkv, group, q_len, d)
             # query i sits at absolute position seq_len - q_len + i and sees keys 0..that position
@@ -198,4 +229,22 @@ class ReferenceAttentionBackend(BaseAttentionBackend):
                 s.masked_fill_(kpos[None, :] > qpos[r0:r1, None], float("-inf"))
                 ob[:, :, r0:r1] = torch.matmul(torch.softmax(s, dim=-1), vb[:, None])
             out[q0:q1] = ob.reshape(hq, q_len, d).permute(1, 0, 2).to(q.dtype)
+        if ring is not None:
+            for b, slot in enumerate(ring[1]):
+                q0, q1 = int(starts[b]), int(starts[b + 1])
+                if slot >= 0 and q1 > q0:
+                    self.write_ring(ring[0], slot, k[q0:q1], v[q0:q1], seq_lens[b] - (q1 - q0))
         return out
+
+    @staticmethod
+    def _windowed(ring: tuple, b: int, kb: torch.Tensor, vb: torch.Tensor, kn: torch.Tensor, vn: torch.Tensor,
+                  decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """kb/vb [Hkv, L, D] with the model-dtype copies in place of the pages (module docstring)."""
+        rk, rv = ring[0]["k"][ring[1][b]], ring[0]["v"][ring[1][b]]  # [Hkv, W, D]
+        w, c = rk.shape[1], kb.shape[1] - kn.shape[0]
+        wc = max(0, min(w - int(decode), c - ring[2][b]))
+        kb, vb = kb.clone(), vb.clone()
+        rows = torch.arange(c - wc, c, device=kb.device) % w
+        kb[:, c - wc:c], vb[:, c - wc:c] = rk[:, rows].float(), rv[:, rows].float()
+        kb[:, c:], vb[:, c:] = kn.transpose(0, 1).float(), vn.transpose(0, 1).float()
+        return kb, vb

@@ -2,8 +2,10 @@
 
 Ops and their callables (what a bound implementation is called with):
   store    fn(k [T, Hkv, D], v, planes, slot_mapping [T]) -> None        (writes the layer's planes)
-  decode   fn(q [B, Hq, D], planes, block_tables, seq_lens, scale, num_splits) -> out [B, Hq, D]
-  prefill  fn(q [T, Hq, D], planes, meta, scale) -> out [T, Hq, D]      (planes already hold the chunk)
+  decode   fn(q [B, Hq, D], planes, block_tables, seq_lens, scale, num_splits[, tail]) -> out [B, Hq, D]
+  prefill  fn(q [T, Hq, D], planes, meta, scale[, window]) -> out [T, Hq, D] (planes already hold the chunk)
+(``tail`` / ``window``: a windowed format's ring, see triton_backend.py; only implementations that
+declare windowed formats get them.)
 ``planes`` is the pool's per-layer dict. ``OP_IMPLS[op]`` lists the implementations in order of
 preference, each declaring the formats it has kernels for (``formats``: kernel codes); the first
 that declares the format, whose ``unsupported(ctx)`` is None and whose ``bind(ctx)`` succeeds (it may
@@ -87,6 +89,8 @@ def _triton_unsupported(ctx: OpContext) -> str | None:
 
 
 def _triton_prefill_unsupported(ctx: OpContext) -> str | None:
+    if ctx.fmt.window:  # the chunk must see its own fresh K/V and the ring: the SDPA path does that
+        return f"format {ctx.fmt.name} has a window ring (served by the SDPA prefill)"
     why = _triton_unsupported(ctx)
     d = ctx.head_dim
     if why is None and ctx.fmt.rotated and (d < 64 or d & (d - 1)):
@@ -144,8 +148,8 @@ def _decode_cuda_splits(ctx: OpContext, batch: int, width: int) -> int:
     return cuda_num_splits(batch, ctx.num_kv_heads, width, ctx.device, ctx.fmt, ctx.head_dim, ctx.dtype)
 
 
-def _decode_call(kernel, fmt, q, planes, block_tables, seq_lens, scale, num_splits):
-    return kernel(q, planes, planes, block_tables, seq_lens, fmt, scale, num_splits=num_splits)
+def _decode_call(kernel, fmt, q, planes, block_tables, seq_lens, scale, num_splits, tail=None):
+    return kernel(q, planes, planes, block_tables, seq_lens, fmt, scale, num_splits=num_splits, tail=tail)
 
 
 def _prefill_triton(ctx: OpContext) -> Callable:

@@ -179,7 +179,8 @@ class LLMEngine:
         # A reused KV page would need the recurrent state at its end, which is not kept: no prefix reuse.
         self.prefix_caching = config.enable_prefix_caching and not recurrent
         self.block_manager = BlockManager(self.plan.num_pages, PAGE_SIZE, self.prefix_caching,
-                                          num_state_slots=config.max_num_seqs if recurrent else 0)
+                                          num_state_slots=config.max_num_seqs if self.cache_spec.needs_slots else 0,
+                                          slots_allow_prefix=not recurrent)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=self.plan.max_num_batched_tokens)
 

@@ -66,10 +66,14 @@ class ModelRunner:
         self.max_pages_per_seq = max_pages_per_seq
         self.forward_fn: ForwardFn = self.eager_forward
         self._pin = device.type == "cuda"
-        # Recurrent layers (the pool has state tensors): steps carry state slots, fresh ones are zeroed.
-        self.state_pool = getattr(backend, "pool", None) if getattr(getattr(backend, "pool", None), "states",
-                                                                    None) else None
+        # Sequence slots (recurrent states, window rings): steps carry state slots, fresh states are zeroed.
+        pool = getattr(backend, "pool", None)
+        self.state_pool = pool if getattr(pool, "num_slots", 0) else None
         self.decode_inputs = DecodeInputs(device, max_pages_per_seq, page_size, states=self.state_pool is not None)
+        # Window rings: who holds each slot, (request, its block_table list) -- the BlockManager rebinds the
+        # list on every allocation, so a new pair is a new occupancy, whose first computed position is
+        # where its ring starts (pool.window_start; positions before it come from the pages).
+        self._ring_owner: list = [None] * (pool.num_slots if getattr(pool, "windows", None) else 0)
 
     def eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta, self.backend)
@@ -112,6 +116,8 @@ class ModelRunner:
                 sample_req.append(i)
         decode = batch.is_decode
         state_slots = has_init = None
+        ring_start = [self.state_pool.window_start_cpu[r.state_slot] for r in batch.requests] \
+            if self._ring_owner else None
         if self.state_pool is not None:
             state_slots = self._to_device(torch.tensor([r.state_slot for r in batch.requests], dtype=torch.int32))
             has_init = self._to_device(torch.tensor([r.num_computed_tokens > 0 for r in batch.requests]))
@@ -128,6 +134,7 @@ class ModelRunner:
             block_tables=self._to_device(tables),
             max_query_len=max(qlens), max_seq_len=max(slens), is_decode=decode,
             query_lens_cpu=qlens, seq_lens_cpu=slens, state_slots=state_slots, has_initial_state=has_init,
+            window_start_cpu=ring_start,
         )
         return PreparedInputs(
             input_ids=self._to_device(torch.tensor(ids, dtype=torch.int64)),
@@ -136,9 +143,22 @@ class ModelRunner:
             sample_req_idx=sample_req,
         )
 
+    def _claim_rings(self, batch: ScheduledBatch) -> None:
+        """Record where the ring of each sequence that just took its slot starts."""
+        new = []
+        for r in batch.requests:
+            owner = self._ring_owner[r.state_slot]
+            if owner is None or owner[0] is not r or owner[1] is not r.block_table:
+                self._ring_owner[r.state_slot] = (r, r.block_table)
+                new.append((r.state_slot, r.num_computed_tokens))
+        if new:
+            self.state_pool.set_window_start([s for s, _ in new], [v for _, v in new])
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor | None]:
         """Run one step. Returns (indices into batch of sampling sequences, their logits [N, V] float32)."""
+        if self._ring_owner:
+            self._claim_rings(batch)
         inp = self.prepare(batch)
         if self.state_pool is not None:  # a sequence without computed tokens starts from a zero state
             self.state_pool.reset_states([r.state_slot for r in batch.requests if r.num_computed_tokens == 0])

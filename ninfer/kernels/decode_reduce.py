@@ -11,7 +11,11 @@ Output ``out`` [R, D] in the caller's dtype: ``sum_s w_s * mid_o[s] / sum_s w_s`
 ``w_s = 2^(lse_s - max lse)``, then ``out = R . out`` per 64-group when ``rotated`` (R = S.H64.S is its own
 inverse). A row whose every split is empty (sequence length 0) gets zeros.
 
-The grid is ``(R, cdiv(D, 64))`` and S is a launch argument, so the launch is CUDA-graph safe.
+``tail`` (a ``window_attn.WindowTail``, rk4v4-e8w): one more partial, computed here rather than by
+another launch (the decode step of a 128K context is ~40 us; a kernel more would cost ~5%): each
+program also attends its query row over its sequence's ring of the w newest positions (the newest
+from the fresh k/v, which the group's first head also writes to the ring), in the natural basis,
+rotated into the H64 domain when the splits are there, and merged as split S.
 """
 from __future__ import annotations
 
@@ -20,14 +24,17 @@ import triton
 import triton.language as tl
 
 from ninfer.kernels.hadamard import rot64
+from ninfer.kernels.window_attn import LOG2E, WindowTail, window_tail
 
 GROUP = 64
 
 
 @triton.jit
-def _decode_reduce_kernel(MO, ML, OUT, S,
-                          smo_r, smo_s, sml_r, so_r,
-                          D: tl.constexpr, BLOCK_S: tl.constexpr, ROTATED: tl.constexpr):
+def _decode_reduce_kernel(MO, ML, OUT, S, smo_r, smo_s, sml_r, so_r,
+                          Q, KN, VN, RK, RV, SLOT, LENS, WIN, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, qk_scale,
+                          D: tl.constexpr, BLOCK_S: tl.constexpr, ROTATED: tl.constexpr, HAS_TAIL: tl.constexpr,
+                          HQ: tl.constexpr, GROUP_SIZE: tl.constexpr, HKV: tl.constexpr, W: tl.constexpr,
+                          BLOCK_DF: tl.constexpr):
     """One program per (row, 64-dim block): all splits of that block are loaded at once (one
     [BLOCK_S, 64] tile per step, normally a single step), merged, and rotated back in registers."""
     r = tl.program_id(0).to(tl.int64)
@@ -50,6 +57,17 @@ def _decode_reduce_kernel(MO, ML, OUT, S,
         acc = acc * a + tl.sum(o * w[:, None], axis=0)
         l = l * a + tl.sum(w, axis=0)
         m = m_new
+    if HAS_TAIL:
+        ot, lt = window_tail(r, offs_d, dmask, Q, KN, VN, RK, RV, SLOT, LENS, WIN, sq_b, sq_h, skn_b, skn_h,
+                             svn_b, svn_h, qk_scale, D, HQ, GROUP_SIZE, HKV, W, BLOCK_DF)
+        if ROTATED:
+            ot = tl.sum(ot[:, None] * rot64(tl.float32), axis=0)
+        m_new = tl.maximum(m, lt)
+        safe = m_new != float("-inf")
+        a = tl.where(safe, tl.exp2(m - m_new), 0.0)
+        wt = tl.where(safe, tl.exp2(lt - m_new), 0.0)
+        acc = acc * a + ot * wt
+        l = l * a + wt
     out = acc / tl.where(l > 0, l, 1.0)
     if ROTATED:
         # out_nat[i] = sum_j out_rot[j] R[j, i]: a [64] x [64, 64] product, broadcast in registers.
@@ -57,10 +75,12 @@ def _decode_reduce_kernel(MO, ML, OUT, S,
     tl.store(OUT + r * so_r + offs_d, out.to(OUT.dtype.element_ty), mask=dmask)
 
 
-def decode_reduce(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, *, rotated: bool) -> torch.Tensor:
+def decode_reduce(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, *, rotated: bool,
+                  tail: WindowTail | None = None) -> torch.Tensor:
     """Merge splits: ``mid_o`` float32 [R, S, D], ``mid_lse`` float32 [R, S] (log2 domain) into
     ``out`` [R, D] (any float dtype, written in place and returned); ``rotated`` applies the format's
-    rotation R per 64-group after the merge (D must then be a multiple of 64).
+    rotation R per 64-group after the merge (D must then be a multiple of 64); ``tail``: the window
+    ring's partial, merged too (module docstring).
 
     Grid ``(R, cdiv(D, 64))``: every program loads all S partials of its 64 dims at once, so the
     time does not grow with S the way a loop of dependent loads over S would."""
@@ -79,7 +99,22 @@ def decode_reduce(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor,
     if r == 0:
         return out
     block_s = min(128, triton.next_power_of_2(max(1, s)))
-    _decode_reduce_kernel[(r, triton.cdiv(d, 64))](mid_o, mid_lse, out, s,
-                                                   mid_o.stride(0), mid_o.stride(1), mid_lse.stride(0), out.stride(0),
-                                                   D=d, BLOCK_S=block_s, ROTATED=rotated, num_warps=4)
+    if tail is None:
+        t, geo = (mid_o,) * 8, dict(HQ=1, GROUP_SIZE=1, HKV=1, W=16, BLOCK_DF=16)
+        strides, qk = (0,) * 6, 0.0
+    else:
+        q, kn, vn = tail.q, tail.k, tail.v
+        rk, rv = tail.ring["k"], tail.ring["v"]
+        if q.shape[0] * q.shape[1] != r or kn.stride(2) != 1 or vn.stride(2) != 1 or not rk.is_contiguous():
+            raise ValueError("decode_reduce: the tail's q rows must be R, k/v and the ring contiguous per row")
+        t = (q, kn, vn, rk, rv, tail.slots, tail.seq_lens, tail.w)
+        strides = (q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1))
+        geo = dict(HQ=q.shape[1], GROUP_SIZE=q.shape[1] // kn.shape[1], HKV=kn.shape[1], W=rk.shape[2],
+                   BLOCK_DF=triton.next_power_of_2(d))
+        qk = float(tail.scale) * LOG2E
+    _decode_reduce_kernel[(r, triton.cdiv(d, 64))](mid_o, mid_lse, out, s, mid_o.stride(0), mid_o.stride(1),
+                                                   mid_lse.stride(0), out.stride(0), *t, *strides, qk,
+                                                   D=d, BLOCK_S=block_s, ROTATED=rotated,
+                                                   HAS_TAIL=tail is not None, **geo,
+                                                   num_warps=4 if tail is None else 8)  # a [W, D] ring tile
     return out

@@ -161,7 +161,8 @@ def _splits(num_splits: int) -> int:
 
 def paged_decode_triton(q: torch.Tensor, k_planes, v_planes, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         fmt: KVFormat, scale: float, *, num_splits: int | None = None,
-                        out: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
+                        out: torch.Tensor | None = None, num_warps: int = 4,
+                        tail=None) -> torch.Tensor:
     """Decode attention of one new query token per sequence over its paged, cached K/V (Triton kernel).
 
     Parameters
@@ -179,6 +180,8 @@ def paged_decode_triton(q: torch.Tensor, k_planes, v_planes, block_tables: torch
         and ``max_pages`` only, never ``seq_lens``), so one value serves a captured graph.
     out : optional [B, Hq, D] output buffer (q's dtype).
     num_warps : tuning knob for the benchmark.
+    tail : a ``window_attn.WindowTail`` (rk4v4-e8w): the ring's newest positions, merged with the splits
+        by ``decode_reduce`` (``seq_lens`` then ends where the window starts).
 
     Returns
     -------
@@ -214,17 +217,18 @@ def paged_decode_triton(q: torch.Tensor, k_planes, v_planes, block_tables: torch
         float(scale) * LOG2E, splits,
         HQ=hq, GROUP_SIZE=group, BLOCK_M=block_m, D=d, BLOCK_D=triton.next_power_of_2(d),
         G=g, BLOCK_G=block_g, FMT=code, PAGE=page, INTERPRET=_interpreting(), num_warps=num_warps)
-    decode_reduce(mid_o, mid_lse, out.view(bsz * hq, d), rotated=fmt.rotated)
+    decode_reduce(mid_o, mid_lse, out.view(bsz * hq, d), rotated=fmt.rotated, tail=tail)
     return out
 
 
 def paged_decode_cuda(q: torch.Tensor, k_planes, v_planes, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                       fmt: KVFormat, scale: float, *, num_splits: int | None = None,
-                      out: torch.Tensor | None = None, cuda_cfg: tuple[int, ...] | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, cuda_cfg: tuple[int, ...] | None = None,
+                      tail=None) -> torch.Tensor:
     """``paged_decode_triton``'s contract on the CUDA C++ split kernel (int8/rk4v4/rk4v4-e8, head_dim
     128/256, GQA group <= 8, page 64, sm_80+); ValueError where it cannot run. Default splits:
     ``cuda_num_splits`` (one wave of resident blocks). cuda_cfg: (warps, chunk, stages[, min blocks
-    per SM]), a benchmark knob."""
+    per SM]), a benchmark knob. tail: as for ``paged_decode_triton``."""
     code, kd, ks, vd, vs, seq_lens, out = _checked_decode_args(q, k_planes, v_planes, block_tables, seq_lens,
                                                                fmt, out)
     bsz, hq, d = q.shape
@@ -242,7 +246,7 @@ def paged_decode_cuda(q: torch.Tensor, k_planes, v_planes, block_tables: torch.T
     mid_lse = torch.empty(bsz * hq, splits, dtype=torch.float32, device=q.device)
     _paged_decode_cuda_split(q, kd, ks, vd, vs, block_tables, seq_lens, mid_o, mid_lse, code, scale, splits, cfg)
     # the CUDA kernel rotates each split's partial back itself (in its epilogue, in parallel)
-    decode_reduce(mid_o, mid_lse, out.view(bsz * hq, d), rotated=False)
+    decode_reduce(mid_o, mid_lse, out.view(bsz * hq, d), rotated=False, tail=tail)
     return out
 
 

@@ -10,7 +10,8 @@ Sequence protocol (what the scheduler's sequence object must provide; see `Seque
 
 Public API
 ----------
-`BlockManager(num_pages, page_size=PAGE_SIZE, enable_prefix_caching=True, num_state_slots=0)`
+`BlockManager(num_pages, page_size=PAGE_SIZE, enable_prefix_caching=True, num_state_slots=0,
+slots_allow_prefix=False)`
 * `can_allocate(seq) -> bool`, `allocate(seq) -> int` (pages for all of seq.token_ids; returns the
   number of leading tokens whose KV is reused from the prefix cache; the engine computes the rest)
 * `may_append(seq) -> bool`, `append_slot(seq) -> None` (grow the table to cover len(token_ids))
@@ -21,8 +22,9 @@ Public API
   sequence's state slot goes back too
 * state slots (models with recurrent layers, ninfer/kvcache/spec.py): `num_state_slots` rows of the
   pool's state tensors; `allocate` gives each sequence one with its pages (and `can_allocate` needs
-  one free), `free` takes it back; `num_free_slots`. Prefix reuse is refused with slots: a
-  reused page would need the recurrent state at its end, which is not kept.
+  one free), `free` takes it back; `num_free_slots`. Prefix reuse is refused with slots (a
+  reused page would need the recurrent state at its end, which is not kept) unless
+  `slots_allow_prefix`: window rings (rk4v4-e8w) only cache tokens the sequence computed itself.
 * `num_pages`, `num_free_pages`, `usage` (fraction of pages held by live sequences),
   `num_cached_pages`, `reset_prefix_cache()`, `check_invariants(live_seqs)`
 
@@ -65,10 +67,10 @@ class _Page:
 
 class BlockManager:
     def __init__(self, num_pages: int, page_size: int = PAGE_SIZE, enable_prefix_caching: bool = True,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, slots_allow_prefix: bool = False) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
-        if num_state_slots < 0 or (num_state_slots and enable_prefix_caching):
+        if num_state_slots < 0 or (num_state_slots and enable_prefix_caching and not slots_allow_prefix):
             raise ValueError(f"num_state_slots={num_state_slots}: must be >= 0, and prefix caching must be off "
                              "with recurrent state slots")
         self.num_state_slots = num_state_slots

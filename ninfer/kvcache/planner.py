@@ -25,8 +25,8 @@ Terms (all bytes; "context pages" = ceil(max_context / PAGE_SIZE)):
                 the loader reports
   kv            num_pages * PAGE_SIZE * bytes_per_token; bytes_per_token = the cache spec's attention
                 layers: format.bytes_per_token_head(D) * num_kv_heads * attention layers
-  states        max_num_seqs * the spec's recurrent-state bytes per sequence (one slot per running
-                sequence; 0 for models without recurrent layers)
+  states        max_num_seqs * the spec's slot bytes per sequence (one slot per running sequence:
+                recurrent states, plus the window ring of a windowed format such as rk4v4-e8w)
   page_tables   max_num_seqs * context pages * 4 (int32 block table, one row per running sequence)
   workspace     activations of the largest prefill chunk (see `activation_workspace`); the chunk
                 is max_num_batched_tokens, or the planner's choice for "auto" (see `plan_memory`)
@@ -154,8 +154,9 @@ class MemoryPlan:
     largest_context: int          # largest max_context that fits with this kv_dtype (pool = one context)
     graph_bytes_observed: int | None = None
     free_after_startup_observed: int | None = None
-    state_bytes: int = 0          # recurrent states: max_num_seqs slots
+    state_bytes: int = 0          # recurrent states and window rings: max_num_seqs slots
     state_bytes_per_seq: int = 0
+    window_bytes_per_seq: int = 0  # the window ring's part of state_bytes_per_seq
     tensor_parallel_size: int = 1  # >1: every byte term above is one rank's
     prefill_chunk_mode: str = "explicit"  # max_num_batched_tokens given, or "auto" (the planner's choice)
 
@@ -195,7 +196,9 @@ class MemoryPlan:
                 f"graphs={observed}/{format_bytes(self.graph_bytes)} "
                 f"prefill chunk {self.max_num_batched_tokens} ({self.prefill_chunk_mode})"
                 + (f" states={format_bytes(self.state_bytes)} ({self.state_bytes_per_seq} B/seq x "
-                   f"{self.max_num_seqs} slots)" if self.state_bytes else "") + self._group())
+                   f"{self.max_num_seqs} slots" + (f", window {self.window_bytes_per_seq} B/seq"
+                                                   if self.window_bytes_per_seq else "") + ")"
+                   if self.state_bytes else "") + self._group())
 
     def _group(self) -> str:
         n = self.tensor_parallel_size
@@ -298,7 +301,7 @@ def _plan_memory(model: ModelConfig, *, kv_dtype: str, total_bytes: int, free_by
         raise ValueError(f"the cache spec has {spec.attention.num_kv_heads} KV heads, a rank of tensor-parallel "
                          f"{tp} holds {model.num_kv_heads}")
     bpt = spec.bytes_per_token(_torch_dtype(wdtype))
-    state_per_seq = spec.state_bytes_per_seq()
+    state_per_seq = spec.slot_bytes_per_seq(_torch_dtype(wdtype))
     states = max_num_seqs * state_per_seq
     page_bytes = bpt * PAGE_SIZE
     ctx_pages = math.ceil(max_context / PAGE_SIZE)
@@ -344,7 +347,7 @@ def _plan_memory(model: ModelConfig, *, kv_dtype: str, total_bytes: int, free_by
         # shrink with fewer sequences too, so `fit` sequences certainly fit).
         fit = (kv_room + states - min_pages * page_bytes) // state_per_seq
         raise StatesDoNotFit(
-            f"max_num_seqs={max_num_seqs} does not fit: its recurrent states need {states} bytes "
+            f"max_num_seqs={max_num_seqs} does not fit: its sequence slots (recurrent states, window rings) need {states} bytes "
             f"({format_bytes(states)}: {state_per_seq} B/seq x {max_num_seqs} slots) but only "
             f"{kv_room + states - min_pages * page_bytes} bytes are left after weights {format_bytes(w_bytes)}, "
             f"KV {format_bytes(min_pages * page_bytes)}, page tables {format_bytes(page_tables + graph_tables)}, "
@@ -376,7 +379,7 @@ def _plan_memory(model: ModelConfig, *, kv_dtype: str, total_bytes: int, free_by
         weights_bytes=w_bytes, kv_bytes=int(pages) * page_bytes, page_table_bytes=page_tables,
         workspace_bytes=workspace, graph_bytes=graphs, headroom_bytes=headroom,
         largest_context=int(largest), state_bytes=int(states), state_bytes_per_seq=int(state_per_seq),
-        tensor_parallel_size=tp)
+        window_bytes_per_seq=spec.window_bytes_per_seq(_torch_dtype(wdtype)), tensor_parallel_size=tp)
 
 
 def plan_for_engine(model: ModelConfig, cfg: Any, mem: DeviceMemory, device_type: str, *,

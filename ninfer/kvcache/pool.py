@@ -9,8 +9,13 @@ model_dtype=torch.bfloat16, *, states=(), num_slots=0)`; `fmt` is a KVFormat or 
 * `layers[i]`: dict plane name -> tensor [num_pages, num_kv_heads, page_size, extent]
   (i = attention-layer index: the i-th layer with an AttentionSpec, `CacheSpec.kv_index`)
 * `states[j]`: dict state name -> tensor [num_slots, *shape], zero-filled (j = the j-th layer with a
-  RecurrentStateSpec, `CacheSpec.state_index`); `num_slots`, `state_bytes_allocated`,
-  `reset_states(slots)` (zero the given slots in every state tensor)
+  RecurrentStateSpec, `CacheSpec.state_index`); `num_slots`, `state_bytes_allocated` (states and
+  windows), `reset_states(slots)` (zero the given slots in every state tensor)
+* windowed formats (`fmt.window` = W > 0) with slots: `windows[i]`: {"k", "v"} -> tensor
+  [num_slots, num_kv_heads, W, head_dim] in the model dtype, sequence slot s's K/V of position p at
+  row p % W; `window_start` int32 [num_slots]: the first position slot s's sequence wrote (set by
+  the model runner when a sequence takes the slot; rows before it were never written by it).
+  Without slots (a pool built for kernel tests) there is no ring and attention reads pages only.
 * `planes`: the format's plane tuple; `bytes_per_token`, `bytes_allocated`, `capacity_tokens`;
   `buffer`: the one flat uint8 allocation every plane is a view of
 * `geometry_lines() -> list[str]`: what was allocated, for the startup log (DESIGN §2.2)
@@ -55,6 +60,7 @@ class KVCachePool:
         if isinstance(fmt, str):
             from ninfer.kvcache.formats import get_format
             fmt = get_format(fmt)
+        window = int(getattr(fmt, "window", 0)) if int(num_slots) >= 1 else 0
         if states and int(num_slots) < 1:
             raise ValueError(f"KVCachePool: recurrent states need num_slots >= 1, got {num_slots}")
         for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
@@ -84,15 +90,23 @@ class KVCachePool:
                 off += size
             self.layers.append(layer)
         self.state_specs = tuple(states)
-        self.num_slots = int(num_slots) if states else 0
+        self.num_slots = int(num_slots) if states or window else 0
         self.states: list[dict[str, torch.Tensor]] = [
             {n: torch.zeros((self.num_slots, *shape), dtype=st.dtype(n), device=self.device)
              for n, shape in st.shapes.items()} for st in self.state_specs]
+        self.window = window
+        ring = (self.num_slots, num_kv_heads, window, head_dim)
+        self.windows: list[dict[str, torch.Tensor]] = [
+            {kv: torch.zeros(ring, dtype=model_dtype, device=self.device) for kv in ("k", "v")}
+            for _ in range(num_layers if window else 0)]
+        self.window_start = torch.zeros(self.num_slots if window else 0, dtype=torch.int32, device=self.device)
+        self.window_start_cpu = [0] * (self.num_slots if window else 0)  # the host's copy
 
     @classmethod
     def from_spec(cls, spec: Any, num_pages: int, num_slots: int, device: torch.device | str,
                   model_dtype: torch.dtype = torch.bfloat16, page_size: int = PAGE_SIZE) -> "KVCachePool":
-        """Pages for the spec's attention layers, `num_slots` state slots for its recurrent layers."""
+        """Pages for the spec's attention layers, `num_slots` sequence slots for its recurrent layers
+        and window rings."""
         a = spec.attention
         return cls(a.fmt, spec.num_kv_layers, a.num_kv_heads, a.head_dim, num_pages, page_size, device, model_dtype,
                    states=spec.state_specs, num_slots=num_slots)
@@ -118,7 +132,8 @@ class KVCachePool:
 
     @property
     def state_bytes_allocated(self) -> int:
-        return sum(t.numel() * t.element_size() for st in self.states for t in st.values())
+        """Bytes of every slot tensor: recurrent states and window rings."""
+        return sum(t.numel() * t.element_size() for st in (*self.states, *self.windows) for t in st.values())
 
     def reset_states(self, slots: torch.Tensor | list[int]) -> None:
         """Zero the given state slots of every recurrent layer (a sequence starting from scratch)."""
@@ -129,6 +144,13 @@ class KVCachePool:
             for st in self.states:
                 for t in st.values():
                     t.index_fill_(0, idx, 0)
+
+    def set_window_start(self, slots: list[int], starts: list[int]) -> None:
+        """Slots' rings start at these positions (device tensor and host copy)."""
+        for slot, v in zip(slots, starts):
+            self.window_start_cpu[slot] = int(v)
+        idx = torch.tensor(slots, dtype=torch.long)
+        self.window_start.index_copy_(0, idx.to(self.device), torch.tensor(starts, dtype=torch.int32).to(self.device))
 
     @property
     def bytes_per_token(self) -> int:
@@ -157,9 +179,15 @@ class KVCachePool:
         ]
         if self.states:
             tensors = " ".join(f"{n}={_dtype_name(t.dtype)}{list(t.shape[1:])}" for n, t in self.states[0].items())
+            held = sum(t.numel() * t.element_size() for st in self.states for t in st.values())
             lines.append(f"state pool: layers={len(self.states)} slots={self.num_slots} layer0[{tensors}] "
-                         f"bytes/seq={self.state_bytes_allocated // self.num_slots} "
-                         f"allocated={self.state_bytes_allocated}")
+                         f"bytes/seq={held // self.num_slots} allocated={held}")
+        if self.windows:
+            held = sum(t.numel() * t.element_size() for st in self.windows for t in st.values())
+            t = self.windows[0]["k"]
+            lines.append(f"window ring: layers={len(self.windows)} slots={self.num_slots} tokens={self.window} "
+                         f"k,v={_dtype_name(t.dtype)}{list(t.shape[1:])} bytes/seq={held // self.num_slots} "
+                         f"allocated={held}")
         return lines
 
     def assert_geometry(self) -> None:
@@ -218,5 +246,9 @@ class KVCachePool:
                 if t is None or tuple(t.shape) != (self.num_slots, *shape) or t.dtype != spec.dtype(n):
                     errors.append(f"state layer {j} tensor {n}: {None if t is None else list(t.shape)}, spec wants "
                                   f"{_dtype_name(spec.dtype(n))}{[self.num_slots, *shape]}")
+        ring = (self.num_slots, self.num_kv_heads, self.window, D)
+        if any(tuple(t.shape) != ring or t.dtype != self.model_dtype or not t.is_contiguous()
+               for st in self.windows for t in st.values()) or len(self.windows) != (self.num_layers if self.window else 0):
+            errors.append(f"window rings are not {len(self.windows)} x contiguous {_dtype_name(self.model_dtype)}{list(ring)}")
         if errors:
             raise GeometryError(f"KV plane geometry does not match kv_dtype={fmt.name}: " + "; ".join(errors))

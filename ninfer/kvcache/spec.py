@@ -21,6 +21,10 @@ AttentionSpec for every layer):
   The layer reads and writes the state in place at those rows.
 * Prefix reuse: a KV page is only valid with the matching recurrent state, so an engine whose
   spec has any RecurrentStateSpec turns prefix caching off (a startup line says so).
+* A windowed format (``fmt.window`` = W > 0, rk4v4-e8w) adds per-sequence memory to every attention
+  layer: a model-dtype ring of the sequence's last W tokens' K and V (``pool.windows[i]``, rows =
+  the same sequence slots as the states). It costs ``window_bytes_per_seq``; it does not turn prefix
+  reuse off (tokens whose ring rows a sequence did not write are read from the pages).
 """
 from __future__ import annotations
 
@@ -51,6 +55,10 @@ class AttentionSpec:
 
     def bytes_per_token(self, model_dtype: torch.dtype = torch.bfloat16) -> int:
         return int(self.fmt.bytes_per_token_head(self.head_dim, model_dtype)) * self.num_kv_heads
+
+    def window_bytes_per_seq(self, model_dtype: torch.dtype = torch.bfloat16) -> int:
+        """The ring of a windowed format: W tokens x Hkv x D x (K, V) in the model dtype."""
+        return self.fmt.window * self.num_kv_heads * self.head_dim * 2 * _itemsize(model_dtype)
 
 
 @dataclass(frozen=True, eq=True)
@@ -155,3 +163,21 @@ class CacheSpec:
     def state_bytes_per_seq(self) -> int:
         """Recurrent-state bytes of one sequence over every recurrent layer."""
         return sum(s.bytes_per_seq() for s in self.state_specs)
+
+    @property
+    def window(self) -> int:
+        """W of the attention format's ring (0: none)."""
+        return self.attention.fmt.window
+
+    @property
+    def needs_slots(self) -> bool:
+        """Every running sequence holds a slot (recurrent states or a window ring)."""
+        return self.has_recurrent_state or self.window > 0
+
+    def window_bytes_per_seq(self, model_dtype: torch.dtype = torch.bfloat16) -> int:
+        """Window-ring bytes of one sequence over every attention layer (0 without a window)."""
+        return sum(s.window_bytes_per_seq(model_dtype) for s in self.attention_specs)
+
+    def slot_bytes_per_seq(self, model_dtype: torch.dtype = torch.bfloat16) -> int:
+        """Everything a sequence slot holds: recurrent states and window rings."""
+        return self.state_bytes_per_seq() + self.window_bytes_per_seq(model_dtype)

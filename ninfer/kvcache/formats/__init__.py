@@ -2,7 +2,7 @@
 
 Layout: ``base.py`` is the contract (``KVFormat``, ``Plane``, the scale helpers, the kernel codes);
 one module per format family (``unquantized.py``: auto, bf16; ``int8.py``; ``rk4v4.py``;
-``rk4v4_e8.py``). Every other module (planner, pool, backends, kernels, logs) receives the format
+``rk4v4_e8.py``: rk4v4-e8 and rk4v4-e8w). Every other module (planner, pool, backends, kernels, logs) receives the format
 OBJECT from ``get_format``; ``encode`` / ``decode`` are the torch reference the kernels are
 tested against.
 
@@ -16,7 +16,7 @@ from ninfer.kvcache.formats.base import (GROUP, KERNEL_E8, KERNEL_INT8, KERNEL_P
                                          KVFormat, Plane, ScaledFormat, check_finite, code_units, group_scales)
 from ninfer.kvcache.formats.int8 import C_INT8, INT8
 from ninfer.kvcache.formats.rk4v4 import C_RK4, RK4V4
-from ninfer.kvcache.formats.rk4v4_e8 import C_E8, RK4V4_E8
+from ninfer.kvcache.formats.rk4v4_e8 import C_E8, RK4V4_E8, RK4V4_E8W
 from ninfer.kvcache.formats.unquantized import AUTO, BF16
 
 __all__ = ["GROUP", "C_INT8", "C_RK4", "C_E8", "KVFormat", "Plane", "ScaledFormat", "code_units", "group_scales",
@@ -26,7 +26,7 @@ _REFUSED = {
     "rk2v4-e8": "rk2v4-e8 is refused: the 2-bit E8-root (cylinder) key codebook of the seed lineage "
                 "loses too much K precision for retrieval and has no exact-decode spec here; use rk4v4-e8",
 }
-_FORMATS: dict[str, KVFormat] = {f.name: f for f in (AUTO, BF16, INT8, RK4V4, RK4V4_E8)}
+_FORMATS: dict[str, KVFormat] = {f.name: f for f in (AUTO, BF16, INT8, RK4V4, RK4V4_E8, RK4V4_E8W)}
 FORMAT_NAMES: tuple[str, ...] = tuple(_FORMATS)  # the built-in formats (CLI choices)
 
 

@@ -6,6 +6,8 @@ object, never its name. What a format says about itself:
 * ``name``, ``description``; flags ``rotated`` (stored in the H64-rotated domain), ``packed`` (two
   4-bit coordinates per byte), ``e8_lattice``, ``has_scales`` (fp16 scale per 64-group);
   ``storage`` (the plane dtype, None = the model dtype), ``scale_divisor`` (C in s = absmax / C).
+* ``window``: 0, or W for a format whose sequences also hold a model-dtype ring of their last W
+  tokens' K/V (per attention layer, per sequence slot; the pool allocates it, the backends read it).
 * ``kernel_code``: the ONE number the kernels switch on (Triton constexpr ``FMT``, the CUDA
   ``ND_FMT`` / ``KV_FMT`` defines): ``KERNEL_PLAIN`` .. ``KERNEL_E8`` below, or None for a format
   with no kernels (served by the reference backend only; a kernel backend refuses it at startup).
@@ -106,6 +108,8 @@ class KVFormat(ABC):
     storage: torch.dtype | None = None  # None: the model dtype (auto)
     scale_divisor: float | None = None  # C in s = absmax / C
     kernel_code: int | None = None      # None: no kernels (reference backend only)
+    window: int = 0                     # > 0: each sequence also keeps its last `window` tokens' K/V in
+                                        # the model dtype, attended instead of their pages (rk4v4-e8w)
 
     # ------------------------------------------------------------------ geometry
     def _check_dim(self, head_dim: int) -> None:
