@@ -156,7 +156,8 @@ class _TorchSdpaPrefill:
 def _check(r: dict, tol: float) -> None:
     rels, gaps = zip(*r["steps"])  # (a step right after a reused prefix has a 1-token window: a small gap)
     assert max(rels) <= tol, f"relative errors {rels} > {tol} (NaN: an unwritten ring row was read)"
-    assert max(gaps) > 10 * max(rels), f"pages-only differs by at most {max(gaps):.3e}: the case has no power"
+    # power: reading pages instead of the window must break the bound (and stand well clear of the error)
+    assert max(gaps) > max(tol, 3 * max(rels)), f"pages-only differs by at most {max(gaps):.3e}: the case has no power"
 
 
 @pytest.mark.parametrize("case", SCENARIOS, ids=[c[0] for c in SCENARIOS])

@@ -1,0 +1,79 @@
+"""`python -m ninfer.bench.window_step [--json F]` (CUDA): one layer's decode attention step (store,
+split kernel, reduce; rk4v4-e8w's reduce also attends and writes the ring; the per-step plan, shared
+by all layers, is left out), rk4v4-e8 vs rk4v4-e8w through KernelAttentionBackend with the CUDA and
+the Triton split kernels, replayed as a CUDA graph (what the engine runs). Qwen3-8B geometry: 32 q /
+8 kv heads, D 128. Prints the median per step and the ratio e8w / e8 (the v2 condition: <= 1.05)."""
+import argparse
+import json
+
+import torch
+import triton
+
+from ninfer.attention.base import StepMetadata
+from ninfer.attention.triton_backend import KernelAttentionBackend
+from ninfer.kvcache.formats import get_format
+from ninfer.kvcache.pool import KVCachePool
+
+HQ, HKV, D, PAGE = 32, 8, 128, 64
+
+
+def step_time(fmt_name: str, batch: int, ctx: int, decode: str) -> float:
+    dev = torch.device("cuda")
+    pages = batch * (ctx // PAGE + 1)
+    pool = KVCachePool(get_format(fmt_name), 1, HKV, D, pages, PAGE, dev, torch.bfloat16, num_slots=batch)
+    g = torch.Generator(device=dev).manual_seed(0)
+    for name, t in pool.layers[0].items():  # valid codes, small scales: realistic work, no NaN
+        if t.dtype == torch.uint8:
+            t.copy_(torch.randint(0, 256, t.shape, device=dev, dtype=torch.uint8, generator=g))
+        else:
+            t.fill_(0.02)
+    for ring in pool.windows:
+        for t in ring.values():
+            t.normal_(generator=g)
+    be = KernelAttentionBackend(pool, dtype=torch.bfloat16, num_heads=HQ, force={"decode": decode})
+    bt = torch.arange(pages, device=dev, dtype=torch.int32).view(batch, -1)
+    lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+    slot = ((torch.arange(batch, device=dev) * bt.shape[1] + (ctx - 1) // PAGE) * PAGE + (ctx - 1) % PAGE)
+    meta = StepMetadata(slot_mapping=slot.long(), query_start_loc=torch.arange(batch + 1, device=dev, dtype=torch.int32),
+                        seq_lens=lens, block_tables=bt, max_query_len=1, max_seq_len=ctx, is_decode=True,
+                        query_lens_cpu=[1] * batch, seq_lens_cpu=[ctx] * batch,
+                        state_slots=torch.arange(batch, device=dev, dtype=torch.int32),
+                        has_initial_state=torch.ones(batch, device=dev, dtype=torch.bool))
+    q = torch.randn(batch, HQ, D, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(batch, HKV, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(batch, HKV, D, device=dev, dtype=torch.bfloat16)
+
+    be.plan(meta)  # once per step in the engine, shared by every layer: not part of a layer's time
+
+    def run():
+        return be.forward(0, q, k, v, meta, D ** -0.5)
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return triton.testing.do_bench(graph.replay, warmup=50, rep=300, return_mode="median") * 1e3  # us
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rows = []
+    for batch, ctx in ((1, 131072), (8, 32768)):
+        for decode in ("cuda", "triton"):
+            t = {f: step_time(f, batch, ctx, decode) for f in ("rk4v4-e8", "rk4v4-e8w")}
+            r = {"batch": batch, "context": ctx, "decode": decode, "e8_us": t["rk4v4-e8"],
+                 "e8w_us": t["rk4v4-e8w"], "ratio": t["rk4v4-e8w"] / t["rk4v4-e8"]}
+            rows.append(r)
+            print(f"B={batch} ctx={ctx} decode={decode}: rk4v4-e8 {r['e8_us']:.1f} us  rk4v4-e8w {r['e8w_us']:.1f} us"
+                  f"  ratio {r['ratio']:.3f} ({'ok' if r['ratio'] <= 1.05 else 'OVER 1.05'})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "geometry": {"hq": HQ, "hkv": HKV, "d": D},
+                       "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
