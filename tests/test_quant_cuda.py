@@ -40,7 +40,10 @@ def test_gpu_greedy_on_quantized_hybrid(ckpt, tmp_path: Path, quant: str) -> Non
     prompts = [[5, 9, 33, 7, 100, 21], list(range(3, 40))]
     tokens, logits = _greedy(path, prompts, device="cuda")
     ref, ref_logits = _greedy(dense_copy(path, tmp_path / "dense"), prompts, device="cuda")
-    for a, b in zip(logits, ref_logits):  # the prefill's logits: later steps may follow different tokens
-        rel = ((a[0] - b[0]).abs().max() / b[0].abs().max()).item()
+    for t, a, b in zip(tokens, logits, ref_logits):  # the prefill's logits: later steps may follow other tokens
+        scale = b[0].abs().max()
+        rel = ((a[0] - b[0]).abs().max() / scale).item()
         assert rel < 0.05, rel  # bf16 activations in the GEMMs (and W8A8 for the fp8 prefill)
-    assert [t[0] for t in tokens] == [r[0] for r in ref]
+        # the greedy pick is the reference's, or a near-tie of it within that logit error (a random model
+        # can have two top logits closer than the quantization moves them)
+        assert b[0][t[0]] >= b[0].max() - 2 * rel * scale, (t[0], int(b[0].argmax()))

@@ -91,17 +91,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--planes", default="kv", help="with --text: quantized planes, comma-separated kv, k, v")
     p.add_argument("--tokens", type=int, default=384, help="with --text: tokens per passage (default %(default)s)")
     p.add_argument("--per-layer", action="store_true", help="with --text: also one layer quantized at a time")
+    p.add_argument("--engine", action="store_true", help="with --text: through the engine (prompt, then forced "
+                   "decode steps scored), engine kv-dtypes only (bench/kl_engine_text.py)")
+    p.add_argument("--scored", type=int, default=128, help="with --text --engine: decode steps scored per passage "
+                   "(default %(default)s)")
 
 
 def _run_text(args: argparse.Namespace, model: str) -> int:
-    from ninfer.bench import kv_sim
+    from ninfer.bench import kl_engine_text, kv_sim
     args.model = model
     try:
-        res = kv_sim.run_text(args)
+        res = kl_engine_text.run(args, model) if args.engine else kv_sim.run_text(args)
     except ValueError as e:
         raise SystemExit(f"ninfer bench kl: {e}")
     res["command"] = "ninfer bench kl " + " ".join(sys.argv[3:])
-    print(kv_sim.text_table(res))
+    res["date_utc"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    print(kl_engine_text.table(res) if args.engine else kv_sim.text_table(res))
     if args.json:
         text = json.dumps(res, indent=1)
         print(text) if args.json == "-" else open(args.json, "w").write(text)
