@@ -29,3 +29,16 @@ def test_engine_text_kl_refuses_bad_lengths(tiny_model_dir: Path) -> None:
     with pytest.raises(SystemExit, match="--scored must be in"):
         cli.main(["bench", "kl", str(tiny_model_dir), "--text", "--engine", "--kv-dtype", "int8",
                   "--tokens", "64", "--scored", "64", "--device", "cpu"])
+
+
+def test_engine_text_kl_joined_passages(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """--join: one document per rotation of the held-out passages, long enough for a prompt no single
+    passage holds."""
+    out = tmp_path / "kl.json"
+    assert cli.main(["bench", "kl", str(tiny_model_dir), "--text", "--engine", "--join", "--kv-dtype", "int8",
+                     "--tokens", "1200", "--scored", "4", "--device", "cpu", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    names = res["passages"]
+    assert len(names) >= 3 and len(set(names)) == len(names) and all("+" in n for n in names)
+    assert all(sorted(n.split("+")) == sorted(names[0].split("+")) for n in names)
+    assert res["rows"][0]["docs"][names[0]]["n"] == 4

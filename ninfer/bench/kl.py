@@ -93,6 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-layer", action="store_true", help="with --text: also one layer quantized at a time")
     p.add_argument("--engine", action="store_true", help="with --text: through the engine (prompt, then forced "
                    "decode steps scored), engine kv-dtypes only (bench/kl_engine_text.py)")
+    p.add_argument("--join", action="store_true", help="with --text --engine: every rotation of the held-out "
+                   "passages joined into one document (prompts longer than a passage)")
     p.add_argument("--scored", type=int, default=128, help="with --text --engine: decode steps scored per passage "
                    "(default %(default)s)")
 

@@ -5,7 +5,8 @@ chunks it); the last ``--scored`` tokens are forced one decode step at a time, a
 next-token distribution is compared with the reference format's (default bf16) after the same
 history. So the real store, prefill and decode paths of each kv-dtype are measured, key centring and
 the rk4v4-e8w window included, which the ``--text`` simulation (``kv_sim.py``) does not run. The
-calibration passage of the key centring is not scored.
+calibration passage of the key centring is not scored. ``--join`` scores every rotation of the
+held-out passages joined into one document instead, for prompts longer than one passage.
 """
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ def run(args: argparse.Namespace, model: str) -> dict[str, Any]:
     llm = engine(ref_kv)
     docs = kv_sim.documents()
     docs.pop(centering.PASSAGE.stem, None)
+    if args.join:  # longer contexts than one passage: every rotation of the held-out passages, joined
+        names = list(docs)
+        docs = {"+".join(names[i:] + names[:i]): "\n\n".join(docs[n] for n in names[i:] + names[:i])
+                for i in range(len(names))}
     ids = {k: v[0].tolist() for k, v in kv_sim.token_ids(llm.engine.tokenizer, docs, args.tokens).items()}
     short = [k for k, v in ids.items() if len(v) < args.tokens]
     if short:
