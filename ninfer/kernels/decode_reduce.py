@@ -32,6 +32,7 @@ GROUP = 64
 @triton.jit
 def _decode_reduce_kernel(MO, ML, OUT, S, smo_r, smo_s, sml_r, so_r,
                           Q, KN, VN, RK, RV, SLOT, LENS, WIN, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, qk_scale,
+                          WO, WL,
                           D: tl.constexpr, BLOCK_S: tl.constexpr, ROTATED: tl.constexpr, HAS_TAIL: tl.constexpr,
                           HQ: tl.constexpr, GROUP_SIZE: tl.constexpr, HKV: tl.constexpr, W: tl.constexpr,
                           BLOCK_DF: tl.constexpr):
@@ -58,8 +59,12 @@ def _decode_reduce_kernel(MO, ML, OUT, S, smo_r, smo_s, sml_r, so_r,
         l = l * a + tl.sum(w, axis=0)
         m = m_new
     if HAS_TAIL:
-        ot, lt = window_tail(r, offs_d, dmask, Q, KN, VN, RK, RV, SLOT, LENS, WIN, sq_b, sq_h, skn_b, skn_h,
-                             svn_b, svn_h, qk_scale, D, HQ, GROUP_SIZE, HKV, W, BLOCK_DF)
+        if HAS_TAIL == 2:  # computed before, by window_partial
+            ot = tl.load(WO + r * D + offs_d, mask=dmask, other=0.0)
+            lt = tl.load(WL + r)
+        else:
+            ot, lt = window_tail(r, offs_d, dmask, Q, KN, VN, RK, RV, SLOT, LENS, WIN, sq_b, sq_h, skn_b, skn_h,
+                                 svn_b, svn_h, qk_scale, D, HQ, GROUP_SIZE, HKV, W, BLOCK_DF)
         if ROTATED:
             ot = tl.sum(ot[:, None] * rot64(tl.float32), axis=0)
         m_new = tl.maximum(m, lt)
@@ -76,11 +81,13 @@ def _decode_reduce_kernel(MO, ML, OUT, S, smo_r, smo_s, sml_r, so_r,
 
 
 def decode_reduce(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, *, rotated: bool,
-                  tail: WindowTail | None = None) -> torch.Tensor:
+                  tail: WindowTail | None = None,
+                  partial: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Merge splits: ``mid_o`` float32 [R, S, D], ``mid_lse`` float32 [R, S] (log2 domain) into
     ``out`` [R, D] (any float dtype, written in place and returned); ``rotated`` applies the format's
     rotation R per 64-group after the merge (D must then be a multiple of 64); ``tail``: the window
-    ring's partial, merged too (module docstring).
+    ring's partial, merged too (module docstring); ``partial``: that partial computed already
+    (``window_partial``'s o [R, D], lse [R], natural basis), merged instead of ``tail``.
 
     Grid ``(R, cdiv(D, 64))``: every program loads all S partials of its 64 dims at once, so the
     time does not grow with S the way a loop of dependent loads over S would."""
@@ -99,6 +106,12 @@ def decode_reduce(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor,
     if r == 0:
         return out
     block_s = min(128, triton.next_power_of_2(max(1, s)))
+    if partial is not None:
+        if tail is not None or partial[0].shape != (r, d) or partial[1].shape != (r,):
+            raise ValueError("decode_reduce: partial must be o [R, D], lse [R], and not given with tail")
+        wo, wl = (p.float().contiguous() for p in partial)
+    else:
+        wo, wl = mid_o, mid_lse
     if tail is None:
         t, geo = (mid_o,) * 8, dict(HQ=1, GROUP_SIZE=1, HKV=1, W=16, BLOCK_DF=16)
         strides, qk = (0,) * 6, 0.0
@@ -113,8 +126,9 @@ def decode_reduce(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor,
                    BLOCK_DF=triton.next_power_of_2(d))
         qk = float(tail.scale) * LOG2E
     _decode_reduce_kernel[(r, triton.cdiv(d, 64))](mid_o, mid_lse, out, s, mid_o.stride(0), mid_o.stride(1),
-                                                   mid_lse.stride(0), out.stride(0), *t, *strides, qk,
+                                                   mid_lse.stride(0), out.stride(0), *t, *strides, qk, wo, wl,
                                                    D=d, BLOCK_S=block_s, ROTATED=rotated,
-                                                   HAS_TAIL=tail is not None, **geo,
+                                                   HAS_TAIL=2 if partial is not None else int(tail is not None),
+                                                   **geo,
                                                    num_warps=4 if tail is None else 8)  # a [W, D] ring tile
     return out

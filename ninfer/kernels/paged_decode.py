@@ -224,11 +224,13 @@ def paged_decode_triton(q: torch.Tensor, k_planes, v_planes, block_tables: torch
 def paged_decode_cuda(q: torch.Tensor, k_planes, v_planes, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                       fmt: KVFormat, scale: float, *, num_splits: int | None = None,
                       out: torch.Tensor | None = None, cuda_cfg: tuple[int, ...] | None = None,
-                      tail=None) -> torch.Tensor:
+                      tail=None, tail_stream: bool = False) -> torch.Tensor:
     """``paged_decode_triton``'s contract on the CUDA C++ split kernel (int8/rk4v4/rk4v4-e8, head_dim
     128/256, GQA group <= 8, page 64, sm_80+); ValueError where it cannot run. Default splits:
     ``cuda_num_splits`` (one wave of resident blocks). cuda_cfg: (warps, chunk, stages[, min blocks
-    per SM]), a benchmark knob. tail: as for ``paged_decode_triton``."""
+    per SM]), a benchmark knob. tail: as for ``paged_decode_triton``; ``tail_stream``: compute it with
+    ``window_partial`` on a second stream while the split kernel runs (graph-capturable: the streams
+    fork and join by events) instead of inside the reduction."""
     code, kd, ks, vd, vs, seq_lens, out = _checked_decode_args(q, k_planes, v_planes, block_tables, seq_lens,
                                                                fmt, out)
     bsz, hq, d = q.shape
@@ -244,10 +246,32 @@ def paged_decode_cuda(q: torch.Tensor, k_planes, v_planes, block_tables: torch.T
                      cuda_num_splits(bsz, kd.shape[1], block_tables.shape[1], q.device, fmt, d, q.dtype, cfg))
     mid_o = torch.empty(bsz * hq, splits, d, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(bsz * hq, splits, dtype=torch.float32, device=q.device)
+    partial = None
+    if tail is not None and tail_stream:
+        from ninfer.kernels.window_attn import window_partial
+        cur, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            partial = window_partial(tail)
+        tail = None
     _paged_decode_cuda_split(q, kd, ks, vd, vs, block_tables, seq_lens, mid_o, mid_lse, code, scale, splits, cfg)
+    if partial is not None:
+        cur.wait_stream(side)
+        for t in partial:  # allocated on the side stream, read and freed on this one
+            t.record_stream(cur)
     # the CUDA kernel rotates each split's partial back itself (in its epilogue, in parallel)
-    decode_reduce(mid_o, mid_lse, out.view(bsz * hq, d), rotated=False, tail=tail)
+    decode_reduce(mid_o, mid_lse, out.view(bsz * hq, d), rotated=False, tail=tail, partial=partial)
     return out
+
+
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SIDE:
+        _SIDE[idx] = torch.cuda.Stream(idx)
+    return _SIDE[idx]
 
 
 # ----------------------------------------------------------------------------- torch reference

@@ -12,7 +12,8 @@ the sequence in slot s lives at row p % W, so the ring of a sequence of length L
   ``decode_reduce`` (no launch of its own): a query row attends its ring's w newest rows, the newest
   (the token of this step) taken from the fresh k/v, which the group's first head writes to the ring.
   Returns (o float32 [64] of the program's dims, natural basis; lse: log2 of the scaled scores,
-  -inf where w = 0). ``WindowTail`` bundles its inputs.
+  -inf where w = 0). ``WindowTail`` bundles its inputs. ``window_partial``: the same as a kernel of
+  its own, for a second stream beside the split kernel (``paged_decode_cuda(tail_stream=True)``).
 Triton (CUDA, or TRITON_INTERPRET=1); ``ring_write`` has a torch path for CPU tensors and
 ``window_decode_ref`` is the tail's torch oracle. Graph-safe: nothing depends on host values.
 """
@@ -122,6 +123,37 @@ def window_tail(r, offs_d, dmask, Q, KN, VN, RK, RV, SLOT, LENS, WIN, sq_b, sq_h
     return o, lse
 
 
+@triton.jit
+def _window_partial_kernel(WO, WL, Q, KN, VN, RK, RV, SLOT, LENS, WIN, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h,
+                           qk_scale, D: tl.constexpr, HQ: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                           HKV: tl.constexpr, W: tl.constexpr, BLOCK_DF: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * 64 + tl.arange(0, 64)
+    dmask = offs_d < D
+    o, lse = window_tail(r, offs_d, dmask, Q, KN, VN, RK, RV, SLOT, LENS, WIN, sq_b, sq_h, skn_b, skn_h,
+                         svn_b, svn_h, qk_scale, D, HQ, GROUP_SIZE, HKV, W, BLOCK_DF)
+    tl.store(WO + r * D + offs_d, o, mask=dmask)
+    if tl.program_id(1) == 0:
+        tl.store(WL + r, lse)
+
+
+def window_partial(tail: WindowTail) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tail as a kernel of its own (natural basis): o float32 [B*Hq, D], lse [B*Hq]; it writes this
+    step's token to the ring as the fused tail does. ``decode_reduce(..., partial=(o, lse))`` merges it,
+    so it can run on another stream beside the split kernel."""
+    q, kn, vn, rk, rv = tail.q, tail.k, tail.v, tail.ring["k"], tail.ring["v"]
+    bsz, hq, d = q.shape
+    wo = torch.empty(bsz * hq, d, dtype=torch.float32, device=q.device)
+    wl = torch.empty(bsz * hq, dtype=torch.float32, device=q.device)
+    if bsz:
+        _window_partial_kernel[(bsz * hq, triton.cdiv(d, 64))](
+            wo, wl, q, kn, vn, rk, rv, tail.slots, tail.seq_lens, tail.w, q.stride(0), q.stride(1),
+            kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), float(tail.scale) * LOG2E,
+            D=d, HQ=hq, GROUP_SIZE=hq // kn.shape[1], HKV=kn.shape[1], W=rk.shape[2],
+            BLOCK_DF=triton.next_power_of_2(d), num_warps=8)
+    return wo, wl
+
+
 def window_width(ring_start: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor, window: int) -> torch.Tensor:
     """w [B] int32 = clamp(min(W, L - v), 0) with v = ring_start[slot] (device ops; padding rows: 0)."""
     v = ring_start[slots.clamp(min=0).long()]
@@ -151,4 +183,4 @@ def window_decode_ref(q: torch.Tensor, ring: dict, slots: torch.Tensor, seq_lens
     return o.reshape(bsz * hq, d), lse.reshape(bsz * hq)
 
 
-__all__ = ["WindowTail", "ring_write", "window_tail", "window_decode_ref", "window_width"]
+__all__ = ["WindowTail", "ring_write", "window_partial", "window_tail", "window_decode_ref", "window_width"]
