@@ -51,3 +51,12 @@ def as_rank(monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setattr(ps, "_RANK", rank)
         monkeypatch.setattr(ps, "_SIZE", size)
     return set_rank
+
+
+@pytest.fixture(scope="session")
+def kv_sim_model(tiny_checkpoint: Callable[..., Path]):
+    """(path, transformers model, tokenizer) of the tiny Qwen3 the KV-codec simulation tests share."""
+    from ninfer.bench import kv_sim
+    path = tiny_checkpoint(arch="qwen3", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64, vocab=384)
+    m, tok = kv_sim.load(str(path))
+    return path, m, tok

@@ -13,15 +13,8 @@ import torch
 from ninfer.bench import kv_sim
 
 
-@pytest.fixture(scope="module")
-def model(tiny_checkpoint):
-    path = tiny_checkpoint(arch="qwen3", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64, vocab=384)
-    m, tok = kv_sim.load(str(path))
-    return path, m, tok
-
-
-def test_hook_sees_the_cached_k_and_v(model):
-    _, m, _ = model
+def test_hook_sees_the_cached_k_and_v(kv_sim_model):
+    _, m, _ = kv_sim_model
     ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         cache = m(input_ids=ids, use_cache=True).past_key_values
@@ -39,8 +32,8 @@ def test_hook_sees_the_cached_k_and_v(model):
     assert m.config._attn_implementation != kv_sim._ATTN  # restored
 
 
-def test_kl_zero_unquantized_and_ordered(model):
-    _, m, tok = model
+def test_kl_zero_unquantized_and_ordered(kv_sim_model):
+    _, m, tok = kv_sim_model
     ids = kv_sim.token_ids(tok, {"a": kv_sim.documents()["river"], "b": kv_sim.documents()["bread"]}, 96)
     refs = {k: kv_sim.log_probs(m, x) for k, x in ids.items()}
     assert all(v == 0.0 for v in kv_sim.doc_kl(m, ids, refs, kv_sim.format_codec("auto")).values())
@@ -72,10 +65,10 @@ def test_refit_candidate_codec():
     assert float(((want - x) ** 2).sum()) < float(((shipped - x) ** 2).sum())
 
 
-def test_bench_kl_text_cli(model, capsys, tmp_path):
+def test_bench_kl_text_cli(kv_sim_model, capsys, tmp_path):
     from ninfer.cli import main
 
-    path, _, _ = model
+    path, _, _ = kv_sim_model
     out = tmp_path / "kl.json"
     assert main(["bench", "kl", str(path), "--text", "--kv-dtype", "int8,rk4v4-e8", "--planes", "kv,k",
                  "--tokens", "48", "--json", str(out)]) == 0

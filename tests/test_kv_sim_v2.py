@@ -157,17 +157,10 @@ def test_window_attention_against_a_query_loop() -> None:
         assert torch.allclose(out[0, t], (w[..., None] * vals).sum(1).float(), atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def model(tiny_checkpoint):
-    path = tiny_checkpoint(arch="qwen3", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64, vocab=384)
-    m, tok = kv_sim.load(str(path))
-    return m, tok, path
-
-
-def test_window_hook_keeps_recent_keys(model):
+def test_window_hook_keeps_recent_keys(kv_sim_model):
     """Within one 64-token block every key is in the window: K-only KL is 0 up to rounding; longer,
     the window lowers rk4v4-e8's K-only KL; kivi-nw quantizes every key."""
-    m, tok, _ = model
+    _, m, tok = kv_sim_model
     doc = {"a": kv_sim.documents()["river"]}
     short, long = kv_sim.token_ids(tok, doc, 60), kv_sim.token_ids(tok, doc, 160)
     kl = lambda name, ids: kv_sim.doc_kl(  # noqa: E731
@@ -199,14 +192,14 @@ def test_permuted_puts_the_channels_back():
     assert V.codec("v2:kivi-p1") is None and V.bits("v2:compand-p3+c") == 4.25
 
 
-def test_bench_kl_text_cli_v2_names(model, tmp_path, capsys):
+def test_bench_kl_text_cli_v2_names(kv_sim_model, tmp_path, capsys):
     import json
 
     from ninfer.cli import main
     out = tmp_path / "kl.json"
     with pytest.raises(SystemExit, match="ninfer bench kl: unknown codec 'v2:kivi128-p1'"):
-        main(["bench", "kl", str(model[2]), "--text", "--kv-dtype", "v2:kivi128-p1"])
-    assert main(["bench", "kl", str(model[2]), "--text", "--kv-dtype", "v2:compand-log2s32-5,v2:e8-w16",
+        main(["bench", "kl", str(kv_sim_model[0]), "--text", "--kv-dtype", "v2:kivi128-p1"])
+    assert main(["bench", "kl", str(kv_sim_model[0]), "--text", "--kv-dtype", "v2:compand-log2s32-5,v2:e8-w16",
                  "--tokens", "40", "--json", str(out)]) == 0
     assert "| v2:e8-w16 | KV |" in capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]

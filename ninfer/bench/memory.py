@@ -222,16 +222,18 @@ def frontier(cfg: Any, args: argparse.Namespace, settled: bool) -> dict[str, Any
         # An engine at the frontier loads kernel variants a small one does not (its page-table width, its
         # workspace shapes), and loaded modules keep their device memory: start one there once, unmeasured,
         # then search again, so the frontier holds for every later start in this process too.
-        first = res["largest_ok"]
+        first, err = res["largest_ok"], None
         try:
             engine = T.start_engine(cfg.replace(max_context=first))
             _serve_once(engine, cfg.seed)
             del engine
         except Exception as e:  # the search below decides; a failure here is reported beside it
-            res["settle_at_frontier_error"] = f"{type(e).__name__}: {e}"
+            err = f"{type(e).__name__}: {e}"
         T.release()
-        res = {**frontier_search(cfg), "first_search_largest_ok": first, **{k: v for k, v in res.items() if
-                                                                             k == "settle_at_frontier_error"}}
+        res = frontier_search(cfg)
+        res["first_search_largest_ok"] = first
+        if err:
+            res["settle_at_frontier_error"] = err
     res["free_bytes_at_search"] = T.plan_only(cfg, res["largest_ok"]).free_bytes if res["largest_ok"] else None
     failures: list[str] = [] if res["largest_ok"] else ["no context fits at all"]
     ok, refused = res["largest_ok"], res["smallest_refused"]
