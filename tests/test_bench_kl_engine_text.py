@@ -42,3 +42,9 @@ def test_engine_text_kl_joined_passages(tiny_model_dir: Path, tmp_path: Path) ->
     assert len(names) >= 3 and len(set(names)) == len(names) and all("+" in n for n in names)
     assert all(sorted(n.split("+")) == sorted(names[0].split("+")) for n in names)
     assert res["rows"][0]["docs"][names[0]]["n"] == 4
+
+
+def test_engine_flags_need_text(tiny_model_dir: Path) -> None:
+    for argv in (["--engine"], ["--text", "--join"]):
+        with pytest.raises(SystemExit, match="--join needs --engine, and --engine needs --text"):
+            cli.main(["bench", "kl", str(tiny_model_dir), *argv, "--device", "cpu"])

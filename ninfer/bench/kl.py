@@ -126,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
         model = str(resolve_model(model))
     except ValueError as e:
         raise SystemExit(f"ninfer bench kl: {e}")
+    if args.join and not args.engine or args.engine and not args.text:
+        raise SystemExit("ninfer bench kl: --join needs --engine, and --engine needs --text")
     if args.text:
         return _run_text(args, model)
     try:  # bad input fails here, before any model is loaded
