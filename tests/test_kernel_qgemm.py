@@ -422,14 +422,16 @@ def test_split_k_cuda_deterministic():
     p = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
     sc = (torch.rand((n, k // 16), device="cuda", generator=gen) * 200 + 8).to(torch.float8_e4m3fn)
     gs = torch.tensor([2688.0 / 0.1], device="cuda")
-    for fn in (lambda: fp8_block_linear(x, w, s), lambda: nvfp4_linear(x, p, sc, gs),  # the GEMV (M = 4)
+    rows = qgemv.GEMV_M
+    for fn in (lambda: fp8_block_linear(x[:rows["fp8"]], w, s), lambda: nvfp4_linear(x[:rows["nvfp4"]], p, sc, gs),
                lambda: fp8_block_linear(x, w, s, impl="weight_only"), lambda: nvfp4_linear(x, p, sc, gs, impl="dot")):
         first = fn()
         outs = [fn() for _ in range(200)]
         assert all(torch.equal(o, first) for o in outs)
     assert int(counters(x.device).abs().sum()) == 0
-    for kind in ("fp8", "nvfp4"):  # the GEMV configs the timing chose split K here
-        assert qgemv.plan(qgemv.chosen(kind, x.device, 4, n, k), x.device, n, k)[0] > 1, kind
+    for kind in ("fp8", "nvfp4"):  # the GEMVs (their most rows) ran, and the configs the timing chose split K
+        cfg = qgemv.chosen(kind, x.device, rows[kind], n, k)
+        assert cfg is not None and qgemv.plan(cfg, x.device, n, k)[0] > 1, kind
 
 
 if __name__ == "__main__" and "--child" in sys.argv:

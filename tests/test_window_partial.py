@@ -1,5 +1,5 @@
-"""rk4v4-e8w's window partial as a kernel of its own (``window_partial``, for a second stream beside
-the CUDA split kernel) merged by ``decode_reduce(partial=...)``: equal to the fused tail inside the
+"""rk4v4-e8w's window partial as a kernel of its own (``window_partial``, which the CUDA path runs on
+a second stream beside its split kernel) merged by ``decode_reduce(partial=...)``: equal to the fused tail inside the
 reduction and to the torch oracle, ring write included (Triton under the interpreter, in a child)."""
 from __future__ import annotations
 
@@ -67,14 +67,16 @@ def test_window_partial_merges_like_the_fused_tail(results, name) -> None:
 
 @pytest.mark.cuda
 def test_cuda_tail_on_a_second_stream_equals_the_fused_tail() -> None:
-    """paged_decode_cuda(tail_stream=True), eager and replayed from a CUDA graph, against the fused tail."""
+    """paged_decode_cuda (the window on a second stream), eager and replayed from a CUDA graph, against
+    the same split kernel's partials merged with the tail fused into the reduction."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from ninfer.kernels.paged_decode import paged_decode_cuda
+    from ninfer.kernels.decode_reduce import decode_reduce
+    from ninfer.kernels.paged_decode import _paged_decode_cuda_split, default_cfg, paged_decode_cuda
     from ninfer.kernels.window_attn import WindowTail
     from ninfer.kvcache.formats import get_format
     from ninfer.kvcache.pool import KVCachePool
-    dev, fmt, b, ctx = torch.device("cuda"), get_format("rk4v4-e8w"), 2, 1000
+    dev, fmt, b, ctx, splits = torch.device("cuda"), get_format("rk4v4-e8w"), 2, 1000, 4
     pool = KVCachePool(fmt, 1, 8, 128, b * 17, 64, dev, torch.bfloat16, num_slots=b)
     g = torch.Generator(device=dev).manual_seed(0)
     for t in pool.layers[0].values():
@@ -88,23 +90,34 @@ def test_cuda_tail_on_a_second_stream_equals_the_fused_tail() -> None:
     q = torch.randn(b, 32, 128, device=dev, dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(b, 8, 128, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
     slots = torch.arange(b, device=dev, dtype=torch.int32)
-
-    def run(stream: bool, ring: dict) -> torch.Tensor:
-        tail = WindowTail(q, k, v, ring, slots, lens, w, 128 ** -0.5)
-        return paged_decode_cuda(q, pool.layers[0], pool.layers[0], bt, lens - w, fmt, 128 ** -0.5, tail=tail,
-                                 tail_stream=stream)
+    scale = 128 ** -0.5
+    pl = pool.layers[0]
     ring0 = {n: t.clone() for n, t in pool.windows[0].items()}
-    fused = run(False, {n: t.clone() for n, t in ring0.items()})
-    eager = run(True, {n: t.clone() for n, t in ring0.items()})
+
+    def tail(ring: dict) -> WindowTail:
+        return WindowTail(q, k, v, ring, slots, lens, w, scale)
+
+    def run(ring: dict) -> torch.Tensor:
+        return paged_decode_cuda(q, pl, pl, bt, lens - w, fmt, scale, num_splits=splits, tail=tail(ring))
+    mid_o = torch.empty(b * 32, splits, 128, dtype=torch.float32, device=dev)
+    mid_lse = torch.empty(b * 32, splits, dtype=torch.float32, device=dev)
+    _paged_decode_cuda_split(q, pl["k"], pl["k_scale"], pl["v"], pl["v_scale"], bt, lens - w, mid_o, mid_lse,
+                             fmt.kernel_code, scale, splits, default_cfg(fmt.kernel_code, 128))
+    fused_ring = {n: t.clone() for n, t in ring0.items()}
+    fused = decode_reduce(mid_o, mid_lse, torch.empty(b * 32, 128, device=dev, dtype=torch.bfloat16),
+                          rotated=False, tail=tail(fused_ring)).view(b, 32, 128)
+    eager_ring = {n: t.clone() for n, t in ring0.items()}
+    eager = run(eager_ring)
     ring = {n: t.clone() for n, t in ring0.items()}
-    run(True, ring)  # warm-up outside capture
+    run(ring)  # warm-up outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = run(True, ring)
+        out = run(ring)
     graph.replay()
     torch.cuda.synchronize()
     for got in (eager, out):
         assert (got.float() - fused.float()).abs().max() <= 1e-2 * fused.float().abs().max()
+    assert all(torch.equal(eager_ring[n], fused_ring[n]) and torch.equal(ring[n], fused_ring[n]) for n in ring)
 
 
 if __name__ == "__main__" and "--child" in sys.argv:

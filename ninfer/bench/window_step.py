@@ -1,8 +1,10 @@
 """`python -m ninfer.bench.window_step [--json F]` (CUDA): one layer's decode attention step (store,
-split kernel, reduce; rk4v4-e8w's reduce also attends and writes the ring; the per-step plan, shared
-by all layers, is left out), rk4v4-e8 vs rk4v4-e8w through KernelAttentionBackend with the CUDA and
+split kernel, reduce; rk4v4-e8w also attends and writes its ring: inside the reduction on the Triton
+path, on a second stream beside the split kernel on the CUDA path; the per-step plan, shared by all
+layers, is left out), rk4v4-e8 vs rk4v4-e8w through KernelAttentionBackend with the CUDA and
 the Triton split kernels, replayed as a CUDA graph (what the engine runs). Qwen3-8B geometry: 32 q /
-8 kv heads, D 128. Prints the median per step and the ratio e8w / e8 (the v2 condition: <= 1.05)."""
+8 kv heads, D 128. Prints the median per step and the ratio e8w / e8 (the v2 condition: <= 1.05); for the CUDA
+path also the pages alone, the window kernel alone and its (block_w, num_warps) choices."""
 import argparse
 import json
 
@@ -11,13 +13,18 @@ import triton
 
 from ninfer.attention.base import StepMetadata
 from ninfer.attention.triton_backend import KernelAttentionBackend
+from ninfer.kernels.window_attn import PARTIAL_CFG, WindowTail, window_partial
 from ninfer.kvcache.formats import get_format
 from ninfer.kvcache.pool import KVCachePool
 
 HQ, HKV, D, PAGE = 32, 8, 128, 64
+PARTIAL_CHOICES = ((32, 4), (64, 4), (128, 4), (32, 2))  # window_partial's (block_w, num_warps), CUDA path
+DEFAULT_PARTIAL = dict(PARTIAL_CFG)
 
 
-def step_time(fmt_name: str, batch: int, ctx: int, decode: str, tail_stream: bool = False) -> float:
+def step_time(fmt_name: str, batch: int, ctx: int, decode: str, pages_only: bool = False) -> float:
+    """pages_only (rk4v4-e8w, CUDA split kernel): the step without the window's partial, so what the
+    window adds is the difference."""
     dev = torch.device("cuda")
     pages = batch * (ctx // PAGE + 1)
     pool = KVCachePool(get_format(fmt_name), 1, HKV, D, pages, PAGE, dev, torch.bfloat16, num_slots=batch)
@@ -31,13 +38,12 @@ def step_time(fmt_name: str, batch: int, ctx: int, decode: str, tail_stream: boo
         for t in ring.values():
             t.normal_(generator=g)
     be = KernelAttentionBackend(pool, dtype=torch.bfloat16, num_heads=HQ, force={"decode": decode})
-    if tail_stream:  # the window's partial on a second stream beside the CUDA split kernel
+    if pages_only:
         from ninfer.kernels.paged_decode import paged_decode_cuda
         fmt = get_format(fmt_name)
 
         def dec(q, planes, bt, lens, scale, splits, tail=None):
-            return paged_decode_cuda(q, planes, planes, bt, lens, fmt, scale, num_splits=splits, tail=tail,
-                                     tail_stream=True)
+            return paged_decode_cuda(q, planes, planes, bt, lens, fmt, scale, num_splits=splits)
         be._decode = dec
     bt = torch.arange(pages, device=dev, dtype=torch.int32).view(batch, -1)
     lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
@@ -64,6 +70,23 @@ def step_time(fmt_name: str, batch: int, ctx: int, decode: str, tail_stream: boo
     return triton.testing.do_bench(graph.replay, warmup=50, rep=300, return_mode="median") * 1e3  # us
 
 
+def partial_time(batch: int, ctx: int) -> float:
+    """window_partial alone, graph-replayed (its current PARTIAL_CFG)."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(1)
+    ring = {n: torch.randn(batch, HKV, 128, D, device=dev, dtype=torch.bfloat16, generator=g) for n in "kv"}
+    q = torch.randn(batch, HQ, D, device=dev, dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(batch, HKV, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2))
+    ar = torch.arange(batch, device=dev, dtype=torch.int32)
+    tail = WindowTail(q, k, v, ring, ar, torch.full_like(ar, ctx), torch.full_like(ar, 128), D ** -0.5)
+    window_partial(tail)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        window_partial(tail)
+    return triton.testing.do_bench(graph.replay, warmup=50, rep=300, return_mode="median") * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -74,11 +97,19 @@ def main() -> None:
             t = {f: step_time(f, batch, ctx, decode) for f in ("rk4v4-e8", "rk4v4-e8w")}
             r = {"batch": batch, "context": ctx, "decode": decode, "e8_us": t["rk4v4-e8"],
                  "e8w_us": t["rk4v4-e8w"], "ratio": t["rk4v4-e8w"] / t["rk4v4-e8"]}
+            extra = ""
             if decode == "cuda":
-                r["e8w_stream_us"] = step_time("rk4v4-e8w", batch, ctx, decode, tail_stream=True)
-                r["stream_ratio"] = r["e8w_stream_us"] / r["e8_us"]
+                r["e8w_pages_only_us"] = step_time("rk4v4-e8w", batch, ctx, decode, pages_only=True)
+                r["window_partial_us"] = partial_time(batch, ctx)
+                for bw, nw in PARTIAL_CHOICES:
+                    PARTIAL_CFG.update(block_w=bw, num_warps=nw)
+                    t_s = step_time("rk4v4-e8w", batch, ctx, decode)
+                    r[f"stream_w{bw}_nw{nw}_us"] = t_s
+                    r[f"stream_w{bw}_nw{nw}_ratio"] = t_s / r["e8_us"]
+                    extra += f"  stream w{bw}/nw{nw} {t_s / r['e8_us']:.3f}"
+                PARTIAL_CFG.update(DEFAULT_PARTIAL)
+                extra += f"  pages only {r['e8w_pages_only_us']:.1f} us  window_partial alone {r['window_partial_us']:.1f} us"
             rows.append(r)
-            extra = f"  tail on a second stream {r['stream_ratio']:.3f}" if "stream_ratio" in r else ""
             print(f"B={batch} ctx={ctx} decode={decode}: rk4v4-e8 {r['e8_us']:.1f} us  rk4v4-e8w {r['e8w_us']:.1f} us"
                   f"  ratio {r['ratio']:.3f} ({'ok' if r['ratio'] <= 1.05 else 'OVER 1.05'}){extra}")
     if args.json:

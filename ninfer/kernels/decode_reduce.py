@@ -11,11 +11,12 @@ Output ``out`` [R, D] in the caller's dtype: ``sum_s w_s * mid_o[s] / sum_s w_s`
 ``w_s = 2^(lse_s - max lse)``, then ``out = R . out`` per 64-group when ``rotated`` (R = S.H64.S is its own
 inverse). A row whose every split is empty (sequence length 0) gets zeros.
 
-``tail`` (a ``window_attn.WindowTail``, rk4v4-e8w): one more partial, computed here rather than by
-another launch (the decode step of a 128K context is ~40 us; a kernel more would cost ~5%): each
-program also attends its query row over its sequence's ring of the w newest positions (the newest
-from the fresh k/v, which the group's first head also writes to the ring), in the natural basis,
-rotated into the H64 domain when the splits are there, and merged as split S.
+``tail`` (a ``window_attn.WindowTail``, rk4v4-e8w, the Triton path): one more partial, computed here
+rather than by a launch of its own: each program also attends its query row over its sequence's
+ring of the w newest positions (the newest from the fresh k/v, which the group's first head also
+writes to the ring), in the natural basis, rotated into the H64 domain when the splits are there,
+and merged as split S. ``partial``: that partial computed already (the CUDA path runs
+``window_partial`` on a second stream beside its split kernel).
 """
 from __future__ import annotations
 

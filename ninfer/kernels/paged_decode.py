@@ -224,13 +224,14 @@ def paged_decode_triton(q: torch.Tensor, k_planes, v_planes, block_tables: torch
 def paged_decode_cuda(q: torch.Tensor, k_planes, v_planes, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                       fmt: KVFormat, scale: float, *, num_splits: int | None = None,
                       out: torch.Tensor | None = None, cuda_cfg: tuple[int, ...] | None = None,
-                      tail=None, tail_stream: bool = False) -> torch.Tensor:
+                      tail=None) -> torch.Tensor:
     """``paged_decode_triton``'s contract on the CUDA C++ split kernel (int8/rk4v4/rk4v4-e8, head_dim
     128/256, GQA group <= 8, page 64, sm_80+); ValueError where it cannot run. Default splits:
     ``cuda_num_splits`` (one wave of resident blocks). cuda_cfg: (warps, chunk, stages[, min blocks
-    per SM]), a benchmark knob. tail: as for ``paged_decode_triton``; ``tail_stream``: compute it with
-    ``window_partial`` on a second stream while the split kernel runs (graph-capturable: the streams
-    fork and join by events) instead of inside the reduction."""
+    per SM]), a benchmark knob. tail: as for ``paged_decode_triton``, but computed by ``window_partial``
+    on a second stream while the split kernel runs (graph-capturable: the streams fork and join by
+    events): the split kernel fills one wave of blocks, and the window's small programs fit beside it,
+    where inside the reduction they would add their latency to the step (docs/KERNELS.md)."""
     code, kd, ks, vd, vs, seq_lens, out = _checked_decode_args(q, k_planes, v_planes, block_tables, seq_lens,
                                                                fmt, out)
     bsz, hq, d = q.shape
@@ -247,20 +248,19 @@ def paged_decode_cuda(q: torch.Tensor, k_planes, v_planes, block_tables: torch.T
     mid_o = torch.empty(bsz * hq, splits, d, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(bsz * hq, splits, dtype=torch.float32, device=q.device)
     partial = None
-    if tail is not None and tail_stream:
+    if tail is not None:
         from ninfer.kernels.window_attn import window_partial
         cur, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
         side.wait_stream(cur)
         with torch.cuda.stream(side):
             partial = window_partial(tail)
-        tail = None
     _paged_decode_cuda_split(q, kd, ks, vd, vs, block_tables, seq_lens, mid_o, mid_lse, code, scale, splits, cfg)
     if partial is not None:
         cur.wait_stream(side)
         for t in partial:  # allocated on the side stream, read and freed on this one
             t.record_stream(cur)
     # the CUDA kernel rotates each split's partial back itself (in its epilogue, in parallel)
-    decode_reduce(mid_o, mid_lse, out.view(bsz * hq, d), rotated=False, tail=tail, partial=partial)
+    decode_reduce(mid_o, mid_lse, out.view(bsz * hq, d), rotated=False, partial=partial)
     return out
 
 

@@ -9,11 +9,11 @@ the sequence in slot s lives at row p % W, so the ring of a sequence of length L
 * ``ring_write``: scatter new tokens' k/v [n, Hkv, D] to (slot, pos % W); slot -1 = skip. The caller
   passes at most one token per (slot, row), i.e. only a chunk's last W tokens (prefill steps).
 * ``window_tail``: the decode tail, one more flash-decoding partial, computed inside
-  ``decode_reduce`` (no launch of its own): a query row attends its ring's w newest rows, the newest
+  ``decode_reduce`` on the Triton path (no launch of its own): a query row attends its ring's w newest rows, the newest
   (the token of this step) taken from the fresh k/v, which the group's first head writes to the ring.
   Returns (o float32 [64] of the program's dims, natural basis; lse: log2 of the scaled scores,
   -inf where w = 0). ``WindowTail`` bundles its inputs. ``window_partial``: the same as a kernel of
-  its own, for a second stream beside the split kernel (``paged_decode_cuda(tail_stream=True)``).
+  its own, which ``paged_decode_cuda`` runs on a second stream beside its split kernel.
 Triton (CUDA, or TRITON_INTERPRET=1); ``ring_write`` has a torch path for CPU tensors and
 ``window_decode_ref`` is the tail's torch oracle. Graph-safe: nothing depends on host values.
 """
@@ -126,15 +126,63 @@ def window_tail(r, offs_d, dmask, Q, KN, VN, RK, RV, SLOT, LENS, WIN, sq_b, sq_h
 @triton.jit
 def _window_partial_kernel(WO, WL, Q, KN, VN, RK, RV, SLOT, LENS, WIN, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h,
                            qk_scale, D: tl.constexpr, HQ: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                           HKV: tl.constexpr, W: tl.constexpr, BLOCK_DF: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    offs_d = tl.program_id(1) * 64 + tl.arange(0, 64)
+                           HKV: tl.constexpr, W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_W: tl.constexpr, PREC: tl.constexpr):
+    """One program per (sequence, KV head): the GQA group's rows are the M dimension of two dots, so
+    the ring's K and V are read once per KV head (the fused tail reads them once per query row and 64
+    dims), BLOCK_W rows at a time with an online softmax. Small on purpose: it shares SMs with the
+    split kernel's single wave of blocks."""
+    pid = tl.program_id(0)
+    b = pid // HKV
+    h = pid % HKV
+    n = tl.load(LENS + b)
+    w = tl.load(WIN + b)
+    slot_in = tl.load(SLOT + b)
+    slot = tl.maximum(slot_in, 0).to(tl.int64)
+    base = (slot * HKV + h) * W
+    offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
-    o, lse = window_tail(r, offs_d, dmask, Q, KN, VN, RK, RV, SLOT, LENS, WIN, sq_b, sq_h, skn_b, skn_h,
-                         svn_b, svn_h, qk_scale, D, HQ, GROUP_SIZE, HKV, W, BLOCK_DF)
-    tl.store(WO + r * D + offs_d, o, mask=dmask)
-    if tl.program_id(1) == 0:
-        tl.store(WL + r, lse)
+    g = tl.arange(0, BLOCK_M)
+    gmask = g < GROUP_SIZE
+    rows = b.to(tl.int64) * HQ + h * GROUP_SIZE + g
+    dt = RK.dtype.element_ty
+    qt = tl.load(Q + b.to(tl.int64) * sq_b + (h * GROUP_SIZE + g)[:, None] * sq_h + offs_d[None, :],
+                 mask=gmask[:, None] & dmask[None, :], other=0.0).to(dt)
+    kn = tl.load(KN + b * skn_b + h * skn_h + offs_d, mask=dmask, other=0.0)
+    vn = tl.load(VN + b * svn_b + h * svn_h + offs_d, mask=dmask, other=0.0)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for c in range(0, W, BLOCK_W):
+        j = c + tl.arange(0, BLOCK_W)
+        valid = ((n - 1 - j + W) % W) < w          # as in window_tail: rows outside are never loaded
+        newest = (j == (n - 1 + W) % W)[:, None]
+        kt = tl.load(RK + (base + j)[:, None] * D + offs_d[None, :], mask=valid[:, None] & dmask[None, :],
+                     other=0.0)
+        kt = tl.where(newest, kn[None, :].to(dt), kt)
+        s = tl.dot(qt, tl.trans(kt), input_precision=PREC) * qk_scale            # [BLOCK_M, BLOCK_W]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        vt = tl.load(RV + (base + j)[:, None] * D + offs_d[None, :], mask=valid[:, None] & dmask[None, :],
+                     other=0.0)
+        vt = tl.where(newest, vn[None, :].to(dt), vt)
+        acc = acc * a[:, None] + tl.dot(p.to(dt), vt, input_precision=PREC)
+        l = l * a + tl.sum(p, axis=1)
+        m = m_new
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+    tl.store(WO + rows[:, None] * D + offs_d[None, :], o, mask=gmask[:, None] & dmask[None, :])
+    tl.store(WL + rows, lse, mask=gmask)
+    if (slot_in >= 0) & (n > 0):  # this step's token into the ring
+        row = base + (n - 1) % W
+        tl.store(RK + row * D + offs_d, kn.to(dt), mask=dmask)
+        tl.store(RV + row * D + offs_d, vn.to(dt), mask=dmask)
+
+
+PARTIAL_CFG = {"block_w": 32, "num_warps": 4}  # window_step times the choices on the GPU
 
 
 def window_partial(tail: WindowTail) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,14 +191,17 @@ def window_partial(tail: WindowTail) -> tuple[torch.Tensor, torch.Tensor]:
     so it can run on another stream beside the split kernel."""
     q, kn, vn, rk, rv = tail.q, tail.k, tail.v, tail.ring["k"], tail.ring["v"]
     bsz, hq, d = q.shape
+    hkv, win = kn.shape[1], rk.shape[2]
     wo = torch.empty(bsz * hq, d, dtype=torch.float32, device=q.device)
     wl = torch.empty(bsz * hq, dtype=torch.float32, device=q.device)
     if bsz:
-        _window_partial_kernel[(bsz * hq, triton.cdiv(d, 64))](
+        _window_partial_kernel[(bsz * hkv,)](
             wo, wl, q, kn, vn, rk, rv, tail.slots, tail.seq_lens, tail.w, q.stride(0), q.stride(1),
             kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1), float(tail.scale) * LOG2E,
-            D=d, HQ=hq, GROUP_SIZE=hq // kn.shape[1], HKV=kn.shape[1], W=rk.shape[2],
-            BLOCK_DF=triton.next_power_of_2(d), num_warps=8)
+            D=d, HQ=hq, GROUP_SIZE=hq // hkv, HKV=hkv, W=win, BLOCK_M=max(16, triton.next_power_of_2(hq // hkv)),
+            BLOCK_D=triton.next_power_of_2(d), BLOCK_W=min(win, PARTIAL_CFG["block_w"]),
+            PREC="ieee" if rk.dtype == torch.float32 else "tf32",  # fp32 rings: exact dots
+            num_warps=PARTIAL_CFG["num_warps"])
     return wo, wl
 
 
