@@ -15,9 +15,9 @@ import torch
 
 # first match wins; names of our kernels, torch's and cuBLAS's (lower case)
 KINDS = (
-    ("attention", ("paged_decode", "split_kv", "decode_reduce", "window_partial", "flash", "sdpa", "fmha")),
+    ("attention", ("nd_decode", "paged_decode", "decode_reduce", "window_partial", "flash", "sdpa", "fmha")),
     ("kv store", ("store_kv", "store")),
-    ("linear", ("gemv", "gemm", "nvjet", "cutlass", "xmma", "scaled_mm", "matmul", "qgemm", "_dot")),
+    ("linear", ("gemv", "gemm", "nvjet", "splitkreduce", "cutlass", "xmma", "scaled_mm", "matmul", "_dot")),
     ("norm + rope", ("rmsnorm", "rms_norm", "qk_norm", "rope")),
     ("activation", ("silu",)),
     ("sampling", ("argmax", "softmax", "topk", "sort", "multinomial", "exponential")),
