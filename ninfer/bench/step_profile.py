@@ -51,12 +51,18 @@ def main() -> None:
     from ninfer.config import parse_token_count
     from ninfer.engine.llm import LLM
     from ninfer.engine.sampling import SamplingParams
+    try:
+        ctx = parse_token_count(args.context)
+    except ValueError as e:
+        raise SystemExit(f"step_profile: --context: {e}")
     if not torch.cuda.is_available():
         raise SystemExit("step_profile needs a CUDA GPU")
-    ctx = parse_token_count(args.context)
     gen = 2 * args.steps + 16
-    llm = LLM(args.model, kv_dtype=args.kv_dtype, max_context=ctx + gen, enforce_eager=args.enforce_eager,
-              max_num_seqs=1)
+    try:
+        llm = LLM(args.model, kv_dtype=args.kv_dtype, max_context=ctx + gen, enforce_eager=args.enforce_eager,
+                  max_num_seqs=1)
+    except (ValueError, OSError) as e:   # unknown kv-dtype, a context that does not fit, a bad model path
+        raise SystemExit(f"step_profile: {e}")
     eng = llm.engine
     vocab = eng.model_config.vocab_size
     prompt = torch.randint(0, vocab, (ctx - gen,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -9,8 +9,9 @@ the sequence in slot s lives at row p % W, so the ring of a sequence of length L
 * ``ring_write``: scatter new tokens' k/v [n, Hkv, D] to (slot, pos % W); slot -1 = skip. The caller
   passes at most one token per (slot, row), i.e. only a chunk's last W tokens (prefill steps).
 * ``window_tail``: the decode tail, one more flash-decoding partial, computed inside
-  ``decode_reduce`` on the Triton path (no launch of its own): a query row attends its ring's w newest rows, the newest
-  (the token of this step) taken from the fresh k/v, which the group's first head writes to the ring.
+  ``decode_reduce`` on the Triton path (no launch of its own): a query row attends its ring's w
+  newest rows, the newest (the token of this step) taken from the fresh k/v, which the group's first
+  head writes to the ring.
   Returns (o float32 [64] of the program's dims, natural basis; lse: log2 of the scaled scores,
   -inf where w = 0). ``WindowTail`` bundles its inputs. ``window_partial``: the same as a kernel of
   its own, which ``paged_decode_cuda`` runs on a second stream beside its split kernel.
