@@ -13,6 +13,8 @@ from collections import defaultdict
 
 import torch
 
+from ninfer.config import parse_token_count
+
 # first match wins; names of our kernels, torch's and cuBLAS's (lower case)
 KINDS = (
     ("attention", ("nd_decode", "paged_decode", "decode_reduce", "window_partial", "flash", "sdpa", "fmha")),
@@ -40,7 +42,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
     ap.add_argument("--kv-dtype", default="rk4v4-e8")
-    ap.add_argument("--context", default="32K")
+    ap.add_argument("--context", type=parse_token_count, default=32768)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--top", type=int, default=12, help="also list the N costliest kernels")
@@ -48,13 +50,9 @@ def main() -> None:
                     help="also run the steps under cProfile and list the N functions with the most own time")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from ninfer.config import parse_token_count
     from ninfer.engine.llm import LLM
     from ninfer.engine.sampling import SamplingParams
-    try:
-        ctx = parse_token_count(args.context)
-    except ValueError as e:
-        raise SystemExit(f"step_profile: --context: {e}")
+    ctx = args.context
     if not torch.cuda.is_available():
         raise SystemExit("step_profile needs a CUDA GPU")
     gen = 2 * args.steps + 16
